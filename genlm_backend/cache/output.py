@@ -1,0 +1,101 @@
+"""A byte-budgeted LRU cache of next-token log-probability rows."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OutputCacheStats:
+    """A snapshot of an :class:`OutputCache`."""
+
+    num_entries: int
+    num_hits: int
+    num_misses: int
+    num_evictions: int
+    bytes_held: int
+    budget_bytes: int
+
+
+class OutputCache:
+    """Least-recently-used map from a request key to a result tensor, within a byte budget.
+
+    Thread-safe: the event loop reads while the model's worker thread writes.
+    The cache stores the tensors it is given; callers must clone before
+    handing a cached tensor to user code.
+
+    Args:
+        budget_bytes: Most bytes of tensor storage held (``0`` disables caching).
+            Never exceeded: a tensor larger than the whole budget is not stored.
+
+    Raises:
+        ValueError: negative budget.
+    """
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = int(budget_bytes)
+        self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._bytes_held = 0
+        self._lock = threading.Lock()
+        self._num_hits = self._num_misses = self._num_evictions = 0
+
+    @staticmethod
+    def _nbytes(value: torch.Tensor) -> int:
+        return value.numel() * value.element_size()
+
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        """The tensor stored under ``key`` (marked most recently used), or ``None``."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is None:
+                self._num_misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._num_hits += 1
+            return value
+
+    def put(self, key: Hashable, value: torch.Tensor) -> None:
+        """Store ``value``, evicting least recently used entries to stay within budget."""
+        size = self._nbytes(value)
+        if size > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes_held -= self._nbytes(old)
+            while self._bytes_held + size > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes_held -= self._nbytes(evicted)
+                self._num_evictions += 1
+            self._entries[key] = value
+            self._bytes_held += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes_held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    @property
+    def stats(self) -> OutputCacheStats:
+        with self._lock:
+            return OutputCacheStats(
+                num_entries=len(self._entries),
+                num_hits=self._num_hits,
+                num_misses=self._num_misses,
+                num_evictions=self._num_evictions,
+                bytes_held=self._bytes_held,
+                budget_bytes=self.budget_bytes,
+            )

@@ -1,0 +1,39 @@
+"""Every exception genlm_backend raises on purpose, each saying when it is raised."""
+
+
+class GenlmBackendError(Exception):
+    """Base class of the library's own exceptions."""
+
+
+class BatcherClosedError(GenlmBackendError, RuntimeError):
+    """Raised for a request submitted to, or still pending in, a closed batcher.
+
+    Raised by ``await`` on any request that was queued when ``aclose()`` ran
+    and by any request made after it.
+    """
+
+
+class BackendNotAvailableError(GenlmBackendError, ImportError):
+    """Raised when an optional backend (e.g. vLLM) is asked for but not installed.
+
+    The message names the package to install.
+    """
+
+
+class AssetFetchError(GenlmBackendError, RuntimeError):
+    """Raised when a model or tokenizer asset cannot be fetched from its registry.
+
+    The message names the registry command that failed and how to provide the
+    asset offline.
+    """
+
+
+class VocabularyDecodeError(GenlmBackendError, ValueError):
+    """Raised when the bytes of a token cannot be recovered from its tokenizer.
+
+    The message names the tokenizer class and the first token that failed.
+    """
+
+
+class BackendClosedError(BatcherClosedError):
+    """Raised by any request to an :class:`~genlm_backend.llm.base.AsyncLM` after ``aclose()``/``close()``."""

@@ -1,0 +1,475 @@
+"""The AsyncLM contract every backend honours.
+
+A backend subclasses :class:`AsyncLM` and implements one synchronous method,
+:meth:`AsyncLM._compute_logprobs` (a batch of distinct contexts in, a
+``[B, V]`` tensor out). Everything else lives here, once: input validation,
+the output cache, the auto-batcher, the sync bridge, sampling and statistics.
+
+The data path of one request::
+
+    next_token_logprobs(ids) -> validate -> output cache -> AutoBatcher
+        -> worker thread: _process_batch -> _compute_logprobs -> output cache -> clone
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from genlm_backend.batching import AutoBatcher
+from genlm_backend.cache.output import OutputCache
+from genlm_backend.errors import BackendClosedError
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
+
+DEFAULT_OUTPUT_CACHE_BYTES = 1 << 30  # 1 GiB: ~5,000 rows of a 50k vocabulary
+_INTEGER_TYPES = (int, np.integer)
+
+
+def validate_token_ids(
+    token_ids: TokenIds, vocab_size: int, max_context_length: int | None = None
+) -> tuple[int, ...]:
+    """Check one context and return it as a tuple of Python ints.
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor.
+
+    Raises:
+        TypeError: not a sequence, or an element is not an integer (bools and
+            floats are rejected, even 3.0).
+        ValueError: empty, an id < 0 or >= ``vocab_size``, or longer than
+            ``max_context_length``.
+    """
+    if isinstance(token_ids, torch.Tensor | np.ndarray):
+        if token_ids.ndim != 1:
+            raise TypeError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype in (torch.bool, np.bool_) or not _is_integer_dtype(token_ids.dtype):
+            raise TypeError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
+        ids = tuple(int(t) for t in token_ids.tolist())
+    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
+            "encode text with llm.tokenizer.encode(...) first"
+        )
+    else:
+        for position, t in enumerate(token_ids):
+            if not isinstance(t, _INTEGER_TYPES) or isinstance(t, bool | np.bool_):
+                raise TypeError(
+                    f"token_ids[{position}] is {t!r} of type {type(t).__name__}; "
+                    "token ids must be ints"
+                )
+        ids = tuple(int(t) for t in token_ids)
+    if not ids:
+        raise ValueError(
+            "token_ids is empty: the next-token distribution needs at least one token "
+            "of context (e.g. the tokenizer's BOS token)"
+        )
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        position, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise ValueError(
+            f"token_ids[{position}] = {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    if max_context_length is not None and len(ids) > max_context_length:
+        raise ValueError(
+            f"token_ids has {len(ids)} tokens, more than the model's context of "
+            f"{max_context_length}"
+        )
+    return ids
+
+
+def _is_integer_dtype(dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex
+    return np.issubdtype(dtype, np.integer)
+
+
+@dataclass(frozen=True)
+class LMStats:
+    """A snapshot of an :class:`AsyncLM`'s counters."""
+
+    num_requests: int
+    """Validated next-token requests (async, sync and batch, one per context)."""
+    num_batches: int
+    """Batches the model computed (async and sync)."""
+    num_contexts_computed: int
+    """Contexts sent to the model, over all batches."""
+    num_output_cache_hits: int
+    """Requests answered from the output cache or joined to an identical request."""
+    num_tokens_requested: int
+    """Sum of the lengths of all requested contexts: what an uncached model would run."""
+    num_tokens_computed: int
+    """Tokens the model actually ran (less than requested when prefixes are reused)."""
+    output_cache_bytes: int
+    """Bytes of log-probability rows held by the output cache."""
+    kv_cache_bytes: int
+    """Bytes of keys/values held for prefix reuse (0 for backends without one)."""
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.num_contexts_computed / self.num_batches if self.num_batches else 0.0
+
+
+class AsyncLM(ABC):
+    """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
+
+    Output contract, for every backend and model:
+
+    * ``float32`` tensor of shape ``[len(byte_vocab)]`` (``[B, len(byte_vocab)]``
+      for batch calls) on :attr:`device`;
+    * normalized: ``logsumexp == 0`` within 1e-5; logit columns beyond the
+      tokenizer's vocabulary are dropped and tokens the model cannot produce
+      are ``-inf``;
+    * each call returns a fresh tensor: mutating it never changes a later result.
+
+    Input contract: a context is a non-empty sequence of ints in
+    ``[0, len(byte_vocab))`` no longer than :attr:`max_context_length`;
+    anything else raises ``TypeError``/``ValueError`` for that caller only,
+    before any model work (see :func:`validate_token_ids`).
+
+    Concurrency: concurrent ``await``\\ s on one event loop are batched by an
+    :class:`~genlm_backend.batching.AutoBatcher`; model work runs in one worker
+    thread, so the loop stays responsive. The ``*_sync`` methods compute
+    directly in the calling thread and work with or without a running loop
+    (scripts, notebooks). An object may serve several ``asyncio.run`` calls in
+    turn: each event loop gets its own batcher.
+
+    Args:
+        tokenizer: The model's Hugging Face tokenizer.
+        batch_size: Most distinct contexts per model batch.
+        timeout_s: Most seconds a request waits for its batch to fill.
+        output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
+        max_context_length: Longest accepted context, ``None`` for no limit.
+        device: Where returned tensors live.
+        byte_vocab, str_vocab: Precomputed vocabularies; decoded from
+            ``tokenizer`` when omitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        batch_size: int = 20,
+        timeout_s: float = 0.02,
+        output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        max_context_length: int | None = None,
+        device: str | torch.device = "cpu",
+        byte_vocab: Sequence[bytes] | None = None,
+        str_vocab: Sequence[str] | None = None,
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        self.tokenizer = tokenizer
+        if byte_vocab is None:
+            from genlm_backend.tokenization import decode_vocab
+
+            byte_vocab, str_vocab = decode_vocab(tokenizer)
+        elif str_vocab is None:
+            str_vocab = [b.decode("utf-8", errors="replace") for b in byte_vocab]
+        self.byte_vocab = list(byte_vocab)
+        self.str_vocab = list(str_vocab)
+        self.batch_size = batch_size
+        self.timeout_s = float(timeout_s)
+        self.max_context_length = max_context_length
+        self.device = torch.device(device)
+        self.output_cache = OutputCache(output_cache_bytes)
+        self._compute_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-model")
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AutoBatcher] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._is_closed = False
+        self._num_requests = 0
+        self._num_tokens_requested = 0
+        self._num_cache_hits = 0
+        self._num_batches = 0
+        self._num_contexts_computed = 0
+
+    # ----------------------------------------------------------------- backend hooks
+
+    @abstractmethod
+    def _compute_logprobs(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        """Log-probabilities of the next token after each context.
+
+        Called with the compute lock held, never concurrently, from the worker
+        thread or a sync caller's thread; never with duplicate contexts.
+
+        Returns:
+            ``float32`` tensor ``[len(contexts), len(byte_vocab)]`` on :attr:`device`,
+            normalized per row.
+        """
+
+    def _cache_namespace(self) -> Hashable:
+        """What besides the context determines the output (e.g. the active LoRA adapter)."""
+        return None
+
+    def _num_tokens_computed(self) -> int:
+        """Tokens run through the model so far; backends that reuse prefixes override."""
+        return self._num_tokens_requested
+
+    def _kv_cache_bytes(self) -> int:
+        return 0
+
+    def _clear_model_caches(self) -> None:
+        """Drop backend-specific caches (KV tree, engine prefix cache)."""
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(byte_vocab)``: the length of every returned row."""
+        return len(self.byte_vocab)
+
+    @property
+    def stats(self) -> LMStats:
+        return LMStats(
+            num_requests=self._num_requests,
+            num_batches=self._num_batches,
+            num_contexts_computed=self._num_contexts_computed,
+            num_output_cache_hits=self._num_cache_hits,
+            num_tokens_requested=self._num_tokens_requested,
+            num_tokens_computed=self._num_tokens_computed(),
+            output_cache_bytes=self.output_cache.stats.bytes_held,
+            kv_cache_bytes=self._kv_cache_bytes(),
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _validate(self, token_ids: TokenIds) -> RequestKey:
+        if self._is_closed:
+            raise BackendClosedError(f"this {type(self).__name__} is closed")
+        ids = validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
+        self._num_requests += 1
+        self._num_tokens_requested += len(ids)
+        return (self._cache_namespace(), ids)
+
+    def _cached(self, key: RequestKey) -> torch.Tensor | None:
+        row = self.output_cache.get(key)
+        if row is not None:
+            self._num_cache_hits += 1
+        return row
+
+    def _process_batch(self, keys: list[RequestKey]) -> list[torch.Tensor]:
+        """Compute distinct keys (all of one namespace or several) and fill the output cache."""
+        with self._compute_lock:
+            if self._is_closed:
+                raise BackendClosedError(f"this {type(self).__name__} is closed")
+            rows = self._compute_grouped(keys)
+            self._num_batches += 1
+            self._num_contexts_computed += len(keys)
+        for key, row in zip(keys, rows):
+            self.output_cache.put(key, row)
+        return rows
+
+    def _compute_grouped(self, keys: list[RequestKey]) -> list[torch.Tensor]:
+        rows: list[torch.Tensor | None] = [None] * len(keys)
+        namespaces = dict.fromkeys(namespace for namespace, _ in keys)
+        for namespace in namespaces:
+            positions = [i for i, (ns, _) in enumerate(keys) if ns == namespace]
+            with self._activate_namespace(namespace):
+                logprobs = self._compute_logprobs([keys[i][1] for i in positions])
+            for i, row in zip(positions, logprobs.unbind(0)):
+                rows[i] = row
+        return rows
+
+    def _activate_namespace(self, namespace: Hashable):
+        """Context manager putting the model in the state ``namespace`` stands for."""
+        return nullcontext()
+
+    def _batcher(self) -> AutoBatcher:
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None or batcher.is_closed:
+            batcher = AutoBatcher(
+                self._process_batch,
+                batch_size=self.batch_size,
+                timeout_s=self.timeout_s,
+                executor=self._executor,
+            )
+            self._batchers[loop] = batcher
+        return batcher
+
+    async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
+        """Log-probabilities of the token following ``token_ids``.
+
+        Returns:
+            ``float32`` tensor ``[len(byte_vocab)]`` on :attr:`device`, normalized.
+
+        Raises:
+            TypeError, ValueError: invalid ``token_ids`` (see :func:`validate_token_ids`).
+            BackendClosedError: the backend was closed.
+            Exception: an error of the model on this request's batch.
+        """
+        key = self._validate(token_ids)
+        row = self._cached(key)
+        if row is None:
+            row = await self._batcher().submit(key)
+        return row.clone()
+
+    async def batch_next_token_logprobs(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
+        """Log-probabilities after each context, as one ``[B, len(byte_vocab)]`` tensor.
+
+        Every context is validated before any is computed.
+        """
+        keys = [self._validate(ids) for ids in _as_list_of_contexts(token_ids_list)]
+        rows = await asyncio.gather(*(self._submit_key(key) for key in keys))
+        return torch.stack(rows)
+
+    async def _submit_key(self, key: RequestKey) -> torch.Tensor:
+        row = self._cached(key)
+        return row if row is not None else await self._batcher().submit(key)
+
+    def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
+        """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
+        return self.batch_next_token_logprobs_sync([token_ids])[0]
+
+    def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
+        """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
+        keys = [self._validate(ids) for ids in _as_list_of_contexts(token_ids_list)]
+        rows: dict[RequestKey, torch.Tensor] = {}
+        for key in keys:
+            row = self._cached(key)
+            if row is not None:
+                rows[key] = row
+        missing = [key for key in dict.fromkeys(keys) if key not in rows]
+        for start in range(0, len(missing), self.batch_size):
+            chunk = missing[start : start + self.batch_size]
+            rows.update(zip(chunk, self._process_batch(chunk)))
+        return torch.stack([rows[key] for key in keys])  # stack copies: caller owns it
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample(
+        self,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Sample a continuation of ``prompt_token_ids`` token by token.
+
+        Stops after ``max_tokens`` tokens or at the first token in
+        ``eos_token_ids`` (which is not returned). With a ``seed`` the result
+        is reproducible; sampling happens on the CPU.
+
+        Raises:
+            ValueError: ``max_tokens`` < 0 or ``temperature`` <= 0.
+        """
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        context = list(validate_token_ids(prompt_token_ids, self.vocab_size))
+        eos = set(eos_token_ids)
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        generated: list[int] = []
+        for _ in range(max_tokens):
+            logprobs = await self.next_token_logprobs(context + generated)
+            probs = torch.softmax(logprobs.float().cpu() / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            if token in eos:
+                break
+            generated.append(token)
+        return generated
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[TokenIds],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """:meth:`sample` each prompt concurrently (the model batches their steps).
+
+        With a ``seed``, prompt ``i`` gets its own independent stream derived
+        from ``(seed, i)``, so identical prompts give independent samples and
+        the whole call is reproducible.
+        """
+        prompts = _as_list_of_contexts(prompt_token_ids_list)
+        if seed is None:
+            seeds = [None] * len(prompts)
+        else:
+            children = np.random.SeedSequence(seed).spawn(len(prompts))
+            seeds = [int(child.generate_state(1, dtype=np.uint64)[0] >> 1) for child in children]
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(prompt, max_tokens, eos_token_ids, temperature, s)
+                    for prompt, s in zip(prompts, seeds)
+                )
+            )
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def clear_cache(self) -> None:
+        """Drop every cached result and reusable prefix; later results are recomputed."""
+        with self._compute_lock:
+            self.output_cache.clear()
+            self._clear_model_caches()
+
+    async def reset_async_queries(self) -> None:
+        """Fail every pending request of this event loop and start a fresh batcher."""
+        batcher = self._batchers.pop(asyncio.get_running_loop(), None)
+        if batcher is not None:
+            await batcher.aclose()
+
+    async def aclose(self) -> None:
+        """Fail pending requests with :class:`BackendClosedError` and release the model.
+
+        Later calls raise :class:`BackendClosedError`. Idempotent.
+        """
+        self._is_closed = True
+        loop = asyncio.get_running_loop()
+        for batcher_loop, batcher in list(self._batchers.items()):
+            if batcher_loop is loop:
+                await batcher.aclose()
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`."""
+        self._is_closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._compute_lock:
+            self.output_cache.clear()
+            self._clear_model_caches()
+            self._release_model()
+
+    def _release_model(self) -> None:
+        """Free the model's memory; backends override."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+
+def _as_list_of_contexts(token_ids_list) -> list:
+    if isinstance(token_ids_list, str | bytes) or not isinstance(
+        token_ids_list, Sequence | np.ndarray | torch.Tensor
+    ):
+        raise TypeError(
+            f"expected a list of contexts, got {type(token_ids_list).__name__}"
+        )
+    contexts = list(token_ids_list)
+    if not contexts:
+        raise ValueError("the list of contexts is empty")
+    return contexts
