@@ -1,0 +1,193 @@
+"""Batched next-token forward passes of a transformers model, reusing cached prefixes.
+
+No asyncio here: :meth:`HFRunner.logprobs` takes distinct contexts and
+returns a ``[B, V]`` tensor. For each context it looks up the longest cached
+prefix in a :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, runs the model
+over the remaining tokens only, and leaves the new keys/values in the tree.
+
+Layout of one forward pass (``P`` = longest reused prefix, ``K`` = most new
+tokens, row ``i`` reuses ``r_i`` and computes ``k_i`` tokens)::
+
+    slot:   0 .......... P-r_i ...... P ........ P+k_i ...... P+K
+    row i:  [ unused    | reused past | new tokens | padding    ]
+
+The past is copied into a transformers ``StaticCache`` of length ``P + K``;
+the model writes the new keys/values into slots ``[P, P + K)`` in place, and
+the cache's tensors become the block the new entries point into. A 4-D mask
+lets each row see exactly its own past and new tokens; position ids continue
+each row's own positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+
+from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
+
+
+@dataclass
+class _Row:
+    """One context of a batch: reuse ``reused`` tokens of ``entry``, compute the rest."""
+
+    index: int
+    context: tuple[int, ...]
+    entry: KVEntry | None
+    reused: int
+
+    @property
+    def num_new(self) -> int:
+        return len(self.context) - self.reused
+
+
+class HFRunner:
+    """Turns batches of contexts into next-token log-probabilities with KV-prefix reuse.
+
+    Args:
+        model: A transformers causal LM in eval mode (full-attention layers).
+        kv_tree: Where keys/values are looked up and left.
+        vocab_size: Columns of the output (the tokenizer's vocabulary): extra
+            logit columns are dropped, missing ones are ``-inf``.
+    """
+
+    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int):
+        self.model = model
+        self.kv_tree = kv_tree
+        self.vocab_size = vocab_size
+        self.num_tokens_computed = 0
+        self._max_positions = _max_positions(model.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @torch.inference_mode()
+    def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None) -> torch.Tensor:
+        """Log-probabilities of the next token after each context.
+
+        Returns:
+            ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
+        """
+        rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+        out = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
+        # Rows extending a cached context by one token (the SMC step) go together;
+        # longer computations are batched apart so they do not pad the short ones.
+        for group in (
+            [row for row in rows if row.num_new == 1],
+            [row for row in rows if row.num_new > 1],
+        ):
+            if group:
+                out[[row.index for row in group]] = self._forward(group, namespace)
+        return out
+
+    def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> _Row:
+        entry, shared = self.kv_tree.longest_prefix(context, namespace)
+        reused = min(shared, len(context) - 1)  # the last token must run to give logits
+        return _Row(index, context, entry if reused > 0 else None, reused)
+
+    def _forward(self, rows: list[_Row], namespace: Hashable) -> torch.Tensor:
+        num_past = max(row.reused for row in rows)
+        num_new = max(row.num_new for row in rows)
+        cache = self._cache_with_pasts(rows, num_past, num_new)
+        input_ids, position_ids = self._inputs(rows, num_past, num_new)
+        last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=self._mask(rows, num_past, num_new),
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=num_new if num_new > 1 else 1,
+        )
+        # logits: [B, num_new or 1, V_model] -> the last real token of each row
+        logits = output.logits[torch.arange(len(rows), device=self.device), last if num_new > 1 else 0]
+        self.num_tokens_computed += sum(row.num_new for row in rows)
+        self._keep(rows, cache, num_past, namespace)
+        return self._normalize(logits)
+
+    def _cache_with_pasts(self, rows: list[_Row], num_past: int, num_new: int) -> StaticCache:
+        """A StaticCache of ``num_past + num_new`` slots with each row's past right-aligned at ``num_past``."""
+        config = self.model.config
+        cache = StaticCache(config=config, max_cache_len=num_past + num_new)
+        num_kv_heads, head_dim = _kv_shape(config)
+        self.kv_tree.reserve(
+            _block_nbytes(cache, len(rows), num_kv_heads, num_past + num_new, head_dim, self.model.dtype),
+            pinned=[row.entry for row in rows if row.entry is not None],
+        )
+        empty = torch.empty(len(rows), num_kv_heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
+        for layer_index, layer in enumerate(cache.layers):
+            layer.lazy_initialization(empty, empty)
+            for i, row in enumerate(rows):
+                if row.reused:
+                    keys, values = row.entry.block.keys_values(layer_index, row.entry.row, row.entry.start, row.reused)
+                    layer.keys[i, :, num_past - row.reused : num_past] = keys
+                    layer.values[i, :, num_past - row.reused : num_past] = values
+            layer.cumulative_length.fill_(num_past)
+        return cache
+
+    def _inputs(self, rows: list[_Row], num_past: int, num_new: int):
+        input_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
+        position_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
+        for i, row in enumerate(rows):
+            new = row.context[row.reused :]
+            input_ids[i, : len(new)] = torch.tensor(new)
+            positions = torch.arange(row.reused, row.reused + num_new)
+            position_ids[i] = positions.clamp_(max=self._max_positions - 1)  # padding stays in range
+        return input_ids.to(self.device), position_ids.to(self.device)
+
+    def _mask(self, rows: list[_Row], num_past: int, num_new: int) -> torch.Tensor:
+        """Additive mask ``[B, 1, num_new, num_past + num_new]``: each row sees its past and its causal new tokens."""
+        num_slots = num_past + num_new
+        slots = torch.arange(num_slots)
+        queries = torch.arange(num_new)[:, None] + num_past  # slot of each query
+        first = torch.tensor([num_past - row.reused for row in rows])[:, None, None]
+        visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
+        mask = torch.zeros(len(rows), 1, num_new, num_slots, dtype=self.model.dtype)
+        mask.masked_fill_(~visible[:, None], torch.finfo(self.model.dtype).min)
+        return mask.to(self.device)
+
+    def _keep(self, rows: list[_Row], cache: StaticCache, num_past: int, namespace: Hashable) -> None:
+        """Leave each row's keys/values (past and new) in the tree, if the budget allows."""
+        block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
+        if not self.kv_tree.reserve(block.nbytes):
+            return
+        for i, row in enumerate(rows):
+            entry = KVEntry(block, i, num_past - row.reused, len(row.context))
+            self.kv_tree.insert(row.context, entry, namespace)
+
+    def _normalize(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        num_columns = logits.shape[-1]
+        if num_columns > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        elif num_columns < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - num_columns), value=float("-inf"))
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def logprobs_uncached(self, context: Sequence[int]) -> torch.Tensor:
+        """Reference: one plain forward pass over the whole context, no cache involved."""
+        input_ids = torch.tensor([list(context)], device=self.device)
+        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
+        return self._normalize(logits)[0]
+
+
+def _kv_shape(config) -> tuple[int, int]:
+    text = config.get_text_config(decoder=True)
+    num_heads = getattr(text, "num_attention_heads", None) or text.n_head
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_kv_heads, head_dim
+
+
+def _max_positions(config) -> int:
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 1 << 30
+
+
+def _block_nbytes(cache, batch, heads, slots, head_dim, dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(cache.layers) * batch * heads * slots * head_dim * element
