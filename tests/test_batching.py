@@ -1,0 +1,391 @@
+"""AutoBatcher: flush policy, deduplication, worker thread, cancellation, errors, lifecycle.
+
+Ordering is driven by events and futures; wall-clock time is measured only in
+the test of the timeout flush, where time itself is under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from genlm_backend.batching import AutoBatcher, BatcherStats
+from genlm_backend.errors import BatcherClosedError
+
+LONG_S = 60.0  # a timeout no test waits for: reaching it would fail the test's own bound
+BOUND_S = 10.0  # how long any single await may take before the test fails
+
+
+class Recorder:
+    """A ``process_batch`` that records its batches and may block or fail on demand."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+        self.batches: list[list] = []
+        self.threads: list[threading.Thread] = []
+        self.gate: threading.Event | None = None  # when set up, each batch waits for it
+        self.loop = loop
+        self.started: asyncio.Future | None = None  # set when a batch starts (needs loop)
+        self.fail_on = None
+
+    def block(self) -> None:
+        self.gate = threading.Event()
+        self.started = self.loop.create_future()
+
+    def __call__(self, keys: list) -> list:
+        self.batches.append(list(keys))
+        self.threads.append(threading.current_thread())
+        if self.started is not None:
+            started, self.started = self.started, None
+            self.loop.call_soon_threadsafe(started.set_result, list(keys))
+        if self.gate is not None and not self.gate.wait(BOUND_S):
+            raise TimeoutError("the test never opened the gate")
+        if self.fail_on is not None and self.fail_on in keys:
+            raise ValueError(f"cannot process {self.fail_on!r}")
+        return [f"value:{key}" for key in keys]
+
+    def seen_keys(self) -> list:
+        return [key for batch in self.batches for key in batch]
+
+
+def bounded(awaitable):
+    return asyncio.wait_for(awaitable, BOUND_S)
+
+
+@pytest.fixture
+async def running_recorder():
+    return Recorder(asyncio.get_running_loop())
+
+
+def assert_settled(batcher: AutoBatcher) -> None:
+    stats = batcher.stats
+    assert (stats.num_pending, stats.num_inflight) == (0, 0), stats
+
+
+# ---------------------------------------------------------------- construction
+
+
+async def test_rejects_bad_options(running_recorder):
+    with pytest.raises(ValueError, match="batch_size"):
+        AutoBatcher(running_recorder, batch_size=0, timeout_s=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        AutoBatcher(running_recorder, batch_size=2.0, timeout_s=1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        AutoBatcher(running_recorder, batch_size=1, timeout_s=-0.1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        AutoBatcher(running_recorder, batch_size=1, timeout_s=float("nan"))
+
+
+def test_needs_a_running_loop():
+    with pytest.raises(RuntimeError):
+        AutoBatcher(lambda keys: keys, batch_size=1, timeout_s=1)
+
+
+# ---------------------------------------------------------------- flush policy
+
+
+async def test_flushes_at_batch_size(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    results = await bounded(asyncio.gather(*(batcher.submit(k) for k in range(6))))
+    assert results == [f"value:{k}" for k in range(6)]
+    assert running_recorder.batches == [[0, 1, 2], [3, 4, 5]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_timeout_flushes_a_lone_request(running_recorder):
+    timeout_s = 0.2
+    batcher = AutoBatcher(running_recorder, batch_size=8, timeout_s=timeout_s, flush_on_idle=False)
+    start = time.monotonic()
+    assert await bounded(batcher.submit("lonely")) == "value:lonely"
+    elapsed_s = time.monotonic() - start
+    # Waited for company (the loop's clock may fire up to a millisecond early)...
+    assert elapsed_s >= timeout_s - 0.01
+    # ...but did not starve.
+    assert elapsed_s < timeout_s + 2.0
+    assert running_recorder.batches == [["lonely"]]
+    await batcher.aclose()
+
+
+async def test_idle_flush_forms_one_batch_per_lockstep_step(running_recorder):
+    num_tasks, num_steps = 8, 5
+    batcher = AutoBatcher(running_recorder, batch_size=100, timeout_s=LONG_S)
+
+    async def particle(i: int) -> list:
+        return [await batcher.submit((i, step)) for step in range(num_steps)]
+
+    results = await bounded(asyncio.gather(*(particle(i) for i in range(num_tasks))))
+    assert results[3] == [f"value:{(3, step)}" for step in range(num_steps)]
+    assert [len(batch) for batch in running_recorder.batches] == [num_tasks] * num_steps
+    for step, batch in enumerate(running_recorder.batches):
+        assert sorted(batch) == [(i, step) for i in range(num_tasks)]
+    assert batcher.stats.mean_batch_size == num_tasks
+    await batcher.aclose()
+
+
+# ---------------------------------------------------------------- deduplication
+
+
+async def test_deduplicates_queued_keys(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    results = await bounded(asyncio.gather(*(batcher.submit(k) for k in "aaba")))
+    assert results == ["value:a", "value:a", "value:b", "value:a"]
+    assert running_recorder.batches == [["a", "b"]]
+    stats = batcher.stats
+    assert (stats.num_requests, stats.num_deduplicated, stats.num_batched_keys) == (4, 2, 2)
+    await batcher.aclose()
+
+
+async def test_deduplicates_a_key_in_flight(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    running_recorder.block()
+    first = asyncio.ensure_future(batcher.submit("a"))
+    assert await bounded(running_recorder.started) == ["a"]
+    assert batcher.stats.num_inflight == 1
+    second = asyncio.ensure_future(batcher.submit("a"))
+    other = asyncio.ensure_future(batcher.submit("b"))
+    await asyncio.sleep(0)  # let both enqueue while "a" computes
+    assert batcher.stats.num_deduplicated == 1
+    running_recorder.gate.set()
+    assert await bounded(asyncio.gather(first, second, other)) == ["value:a", "value:a", "value:b"]
+    assert running_recorder.batches == [["a"], ["b"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+# ---------------------------------------------------------------- worker thread
+
+
+async def test_process_batch_runs_off_the_event_loop(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S)
+    running_recorder.block()
+    request = asyncio.ensure_future(batcher.submit("k"))
+    await bounded(running_recorder.started)
+    # The batch is blocked on a threading.Event that only a loop callback sets:
+    # if process_batch held the loop's thread, this callback could never run.
+    loop_ran = asyncio.Event()
+    asyncio.get_running_loop().call_soon(lambda: (loop_ran.set(), running_recorder.gate.set()))
+    await bounded(loop_ran.wait())
+    assert await bounded(request) == "value:k"
+    assert running_recorder.threads[0] is not threading.current_thread()
+    await batcher.aclose()
+
+
+async def test_uses_the_given_executor(running_recorder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="batcher-test") as executor:
+        batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=0, executor=executor)
+        assert await bounded(batcher.submit(1)) == "value:1"
+        await batcher.aclose()
+    assert running_recorder.threads[0].name.startswith("batcher-test")
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+async def test_cancelled_caller_in_flight_does_not_break_others(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    running_recorder.block()
+    cancelled = asyncio.ensure_future(batcher.submit("a"))
+    survivor = asyncio.ensure_future(batcher.submit("b"))
+    assert await bounded(running_recorder.started) == ["a", "b"]
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    running_recorder.gate.set()
+    assert await bounded(survivor) == "value:b"
+    assert batcher.stats.num_cancelled == 1
+    # the batcher keeps serving
+    assert await bounded(asyncio.gather(batcher.submit("c"), batcher.submit("d"))) == [
+        "value:c",
+        "value:d",
+    ]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_key_cancelled_before_dispatch_is_never_computed(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    doomed = asyncio.ensure_future(batcher.submit("doomed"))
+    await asyncio.sleep(0)  # let it enqueue
+    assert batcher.stats.num_pending == 1
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert batcher.stats.num_pending == 0
+    assert await bounded(asyncio.gather(batcher.submit("x"), batcher.submit("y"))) == [
+        "value:x",
+        "value:y",
+    ]
+    assert "doomed" not in running_recorder.seen_keys()
+    assert running_recorder.batches == [["x", "y"]]
+    await batcher.aclose()
+
+
+async def test_deduplicated_key_survives_one_cancelled_waiter_before_dispatch(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    leaver = asyncio.ensure_future(batcher.submit("k"))
+    stayer = asyncio.ensure_future(batcher.submit("k"))
+    await asyncio.sleep(0)
+    assert (batcher.stats.num_pending, batcher.stats.num_deduplicated) == (1, 1)
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    assert batcher.stats.num_pending == 1  # the other waiter still wants it
+    assert await bounded(batcher.submit("other")) == "value:other"
+    assert await bounded(stayer) == "value:k"
+    assert running_recorder.batches == [["k", "other"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    running_recorder.block()
+    leaver = asyncio.ensure_future(batcher.submit("k"))
+    stayer = asyncio.ensure_future(batcher.submit("k"))
+    await bounded(running_recorder.started)
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    running_recorder.gate.set()
+    assert await bounded(stayer) == "value:k"
+    assert running_recorder.batches == [["k"]]
+    await batcher.aclose()
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_exception_fails_exactly_its_batch(running_recorder):
+    running_recorder.fail_on = "bad"
+    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    outcomes = await bounded(
+        asyncio.gather(*(batcher.submit(k) for k in ["bad", "a", "b", "c"]), return_exceptions=True)
+    )
+    assert running_recorder.batches == [["bad", "a"], ["b", "c"]]
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, ValueError) and "cannot process 'bad'" in str(outcome)
+    assert outcomes[2:] == ["value:b", "value:c"]
+    assert batcher.stats.num_failed_batches == 1
+    assert await bounded(asyncio.gather(batcher.submit("d"), batcher.submit("e"))) == [
+        "value:d",
+        "value:e",
+    ]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_wrong_number_of_values_fails_that_batch(running_recorder):
+    calls = []
+
+    def short_by_one(keys):
+        calls.append(list(keys))
+        return [f"value:{k}" for k in keys][: -1 if len(calls) == 1 else None]
+
+    batcher = AutoBatcher(short_by_one, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    outcomes = await bounded(
+        asyncio.gather(batcher.submit("a"), batcher.submit("b"), return_exceptions=True)
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, RuntimeError)
+        assert "returned 1 values for 2 keys" in str(outcome)
+    assert await bounded(asyncio.gather(batcher.submit("c"), batcher.submit("d"))) == [
+        "value:c",
+        "value:d",
+    ]
+    assert batcher.stats.num_failed_batches == 1
+    await batcher.aclose()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+async def test_aclose_fails_pending_and_later_requests(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=4, timeout_s=LONG_S, flush_on_idle=False)
+    pending = asyncio.ensure_future(batcher.submit("a"))
+    await asyncio.sleep(0)
+    assert batcher.stats.num_pending == 1
+    await bounded(batcher.aclose())
+    assert batcher.is_closed
+    with pytest.raises(BatcherClosedError):
+        await pending
+    with pytest.raises(BatcherClosedError, match="closed"):
+        await batcher.submit("b")
+    await bounded(batcher.aclose())  # idempotent
+    assert running_recorder.batches == []
+    assert_settled(batcher)
+
+
+async def test_aclose_fails_a_batch_in_flight_at_once(running_recorder):
+    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S)
+    running_recorder.block()
+    in_flight = asyncio.ensure_future(batcher.submit("a"))
+    await bounded(running_recorder.started)
+    await bounded(batcher.aclose())  # returns while the thread is still blocked
+    with pytest.raises(BatcherClosedError):
+        await in_flight
+    assert_settled(batcher)
+    running_recorder.gate.set()
+
+
+async def test_async_with_closes(running_recorder):
+    async with AutoBatcher(running_recorder, batch_size=1, timeout_s=0) as batcher:
+        assert await bounded(batcher.submit(1)) == "value:1"
+    assert batcher.is_closed
+    with pytest.raises(BatcherClosedError):
+        await batcher.submit(2)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+async def test_stats_count_everything(running_recorder):
+    running_recorder.fail_on = "bad"
+    batcher = AutoBatcher(running_recorder, batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    keys = ["a", "b", "a", "c", "bad", "d", "d", "e"]
+    outcomes = await bounded(
+        asyncio.gather(*(batcher.submit(k) for k in keys), return_exceptions=True)
+    )
+    # batches: [a, b, c] then [bad, d, e]
+    assert running_recorder.batches == [["a", "b", "c"], ["bad", "d", "e"]]
+    assert sum(isinstance(o, ValueError) for o in outcomes) == 4  # bad, d, d, e
+    stats = batcher.stats
+    assert stats == BatcherStats(
+        num_requests=8,
+        num_deduplicated=2,
+        num_batches=2,
+        num_batched_keys=6,
+        num_failed_batches=1,
+        num_cancelled=0,
+        num_pending=0,
+        num_inflight=0,
+    )
+    assert stats.mean_batch_size == 3.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.num_requests = 0
+    await batcher.aclose()
+
+
+async def test_nothing_left_behind_after_a_mixed_workload(running_recorder):
+    running_recorder.fail_on = 13
+    batcher = AutoBatcher(running_recorder, batch_size=4, timeout_s=0.005)
+    tasks = [asyncio.ensure_future(batcher.submit(k % 20)) for k in range(60)]
+    await asyncio.sleep(0)  # every task submits before some are cancelled
+    for task in tasks[::7]:
+        task.cancel()
+    outcomes = await bounded(asyncio.gather(*tasks, return_exceptions=True))
+    assert any(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    assert any(isinstance(o, ValueError) for o in outcomes)
+    for key, outcome in zip(range(60), outcomes):
+        if isinstance(outcome, str):
+            assert outcome == f"value:{key % 20}"
+    assert_settled(batcher)
+    stats = batcher.stats
+    assert stats.num_requests == 60
+    assert stats.num_cancelled == len(tasks[::7])
+    await batcher.aclose()
