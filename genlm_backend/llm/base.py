@@ -247,12 +247,20 @@ class AsyncLM(ABC):
     # ------------------------------------------------------------------ requests
 
     def _validate(self, token_ids: TokenIds) -> RequestKey:
+        return self._validate_all([token_ids])[0]
+
+    def _validate_all(self, token_ids_list: list[TokenIds]) -> list[RequestKey]:
+        """Validate every context, then count them: a rejected call counts nothing."""
         if self._is_closed:
             raise BackendClosedError(f"this {type(self).__name__} is closed")
-        ids = validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
-        self._num_requests += 1
-        self._num_tokens_requested += len(ids)
-        return (self._cache_namespace(), ids)
+        contexts = [
+            validate_token_ids(ids, self.vocab_size, self.max_context_length)
+            for ids in token_ids_list
+        ]
+        self._num_requests += len(contexts)
+        self._num_tokens_requested += sum(map(len, contexts))
+        namespace = self._cache_namespace()
+        return [(namespace, ids) for ids in contexts]
 
     def _cached(self, key: RequestKey) -> torch.Tensor | None:
         row = self.output_cache.get(key)
@@ -322,7 +330,7 @@ class AsyncLM(ABC):
 
         Every context is validated before any is computed.
         """
-        keys = [self._validate(ids) for ids in _as_list_of_contexts(token_ids_list)]
+        keys = self._validate_all(_as_list_of_contexts(token_ids_list))
         rows = await asyncio.gather(*(self._submit_key(key) for key in keys))
         return torch.stack(rows)
 
@@ -336,7 +344,7 @@ class AsyncLM(ABC):
 
     def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
-        keys = [self._validate(ids) for ids in _as_list_of_contexts(token_ids_list)]
+        keys = self._validate_all(_as_list_of_contexts(token_ids_list))
         rows: dict[RequestKey, torch.Tensor] = {}
         for key in keys:
             row = self._cached(key)
