@@ -26,8 +26,9 @@ class OutputCache:
     """Least-recently-used map from a request key to a result tensor, within a byte budget.
 
     Thread-safe: the event loop reads while the model's worker thread writes.
-    The cache stores the tensors it is given; callers must clone before
-    handing a cached tensor to user code.
+    The cache stores the tensors it is given (a view is stored as a compact
+    copy, so the budget counts every byte it keeps alive); callers must clone
+    before handing a cached tensor to user code.
 
     Args:
         budget_bytes: Most bytes of tensor storage held (``0`` disables caching).
@@ -66,6 +67,10 @@ class OutputCache:
         size = self._nbytes(value)
         if size > self.budget_bytes:
             return
+        if value.untyped_storage().nbytes() > size:
+            # A view (e.g. one row of a [B, V] batch) would keep its whole base
+            # tensor alive while the budget counts only the view.
+            value = value.clone()
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
