@@ -27,7 +27,7 @@ import torch
 
 from genlm_backend.batching import AutoBatcher
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.errors import BackendClosedError
+from genlm_backend.errors import BackendClosedError, BatcherClosedError
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
@@ -320,10 +320,7 @@ class AsyncLM(ABC):
             Exception: an error of the model on this request's batch.
         """
         key = self._validate(token_ids)
-        row = self._cached(key)
-        if row is None:
-            row = await self._batcher().submit(key)
-        return row.clone()
+        return (await self._submit_key(key)).clone()
 
     async def batch_next_token_logprobs(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
         """Log-probabilities after each context, as one ``[B, len(byte_vocab)]`` tensor.
@@ -336,7 +333,15 @@ class AsyncLM(ABC):
 
     async def _submit_key(self, key: RequestKey) -> torch.Tensor:
         row = self._cached(key)
-        return row if row is not None else await self._batcher().submit(key)
+        if row is not None:
+            return row
+        try:
+            return await self._batcher().submit(key)
+        except BatcherClosedError as exc:
+            # The batcher only knows it was closed; the caller should learn why.
+            if self._is_closed and not isinstance(exc, BackendClosedError):
+                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
+            raise
 
     def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
