@@ -1,0 +1,429 @@
+"""The AsyncLM contract, exercised through MockAsyncLM.
+
+The reference for every value is a fresh MockAsyncLM instance (the mock is a
+pure function of the context), so caching, batching and deduplication are
+checked against an independent computation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_backend.errors import BackendClosedError, BatcherClosedError
+from genlm_backend.llm import LMStats, MockAsyncLM
+
+SMALL_VOCAB = [bytes([b]) for b in b"abcdefghijkl"]
+V = len(SMALL_VOCAB)
+MAX_CONTEXT = 8
+TOL = 1e-6
+
+
+def make_llm(**kwargs) -> MockAsyncLM:
+    kwargs.setdefault("max_context_length", MAX_CONTEXT)
+    return MockAsyncLM(byte_vocab=SMALL_VOCAB, **kwargs)
+
+
+def reference(context) -> torch.Tensor:
+    """The next-token log-probabilities of a fresh, uncached mock."""
+    return MockAsyncLM(byte_vocab=SMALL_VOCAB, output_cache_bytes=0).next_token_logprobs_sync(
+        list(context)
+    )
+
+
+@pytest.fixture
+def llm():
+    llm = make_llm()
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def gpt2_llm(gpt2_tokenizer):
+    """A mock over the real GPT-2 vocabulary (50,257 tokens)."""
+    try:
+        from genlm_backend.tokenization import decode_vocab  # noqa: F401
+    except ImportError:
+        # Vocabulary decoding lands separately; the mock only needs the vocabulary's size.
+        tokens = gpt2_tokenizer.convert_ids_to_tokens(list(range(len(gpt2_tokenizer))))
+        return MockAsyncLM(byte_vocab=[t.encode() for t in tokens])
+    return MockAsyncLM(gpt2_tokenizer)
+
+
+# ---------------------------------------------------------------- output contract
+
+
+def check_row(row: torch.Tensor, llm, context) -> None:
+    assert row.dtype == torch.float32
+    assert row.shape == (llm.vocab_size,)
+    assert row.device == llm.device
+    assert abs(torch.logsumexp(row, dim=-1).item()) < 1e-5
+    torch.testing.assert_close(row, llm_reference(llm, context), atol=TOL, rtol=0)
+
+
+def llm_reference(llm, context) -> torch.Tensor:
+    fresh = MockAsyncLM(byte_vocab=llm.byte_vocab, output_cache_bytes=0)
+    return fresh.next_token_logprobs_sync(list(context))
+
+
+@pytest.mark.parametrize("which", ["small", "gpt2"])
+async def test_output_contract_on_every_entry_point(which, request):
+    llm = make_llm() if which == "small" else request.getfixturevalue("gpt2_llm")
+    contexts = [[0], [1, 2, 3], [5, 5]]
+    check_row(await llm.next_token_logprobs(contexts[1]), llm, contexts[1])
+    check_row(llm.next_token_logprobs_sync(contexts[2]), llm, contexts[2])
+    batch = await llm.batch_next_token_logprobs(contexts)
+    assert batch.shape == (3, llm.vocab_size) and batch.dtype == torch.float32
+    for row, context in zip(batch, contexts):
+        check_row(row, llm, context)
+    batch_sync = llm.batch_next_token_logprobs_sync(contexts)
+    torch.testing.assert_close(batch_sync, batch, atol=TOL, rtol=0)
+
+
+async def test_distinct_contexts_get_distinct_rows(llm):
+    rows = await llm.batch_next_token_logprobs([[1], [2], [1, 2], [2, 1]])
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not torch.allclose(rows[i], rows[j])
+
+
+# ---------------------------------------------------------------- fresh tensors
+
+
+async def test_mutating_results_never_corrupts_later_results(llm):
+    context = [3, 1, 4]
+    expected = reference(context)
+    first = await llm.next_token_logprobs(context)  # computed
+    first.fill_(0.0)
+    cached = await llm.next_token_logprobs(context)  # from the output cache
+    torch.testing.assert_close(cached, expected, atol=TOL, rtol=0)
+    cached.fill_(1.0)
+    sync = llm.next_token_logprobs_sync(context)
+    torch.testing.assert_close(sync, expected, atol=TOL, rtol=0)
+    sync.fill_(2.0)
+    batch = await llm.batch_next_token_logprobs([context, context])
+    batch.fill_(3.0)
+    batch_sync = llm.batch_next_token_logprobs_sync([context])
+    batch_sync.fill_(4.0)
+    torch.testing.assert_close(await llm.next_token_logprobs(context), expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("output_cache_bytes", [0, 1 << 20])
+async def test_deduplicated_results_are_independent_tensors(output_cache_bytes):
+    llm = make_llm(output_cache_bytes=output_cache_bytes)
+    context = [7, 7, 7]
+    expected = reference(context)
+    a, b = await asyncio.gather(llm.next_token_logprobs(context), llm.next_token_logprobs(context))
+    assert llm.stats.num_contexts_computed == 1
+    a.fill_(0.0)
+    torch.testing.assert_close(b, expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(await llm.next_token_logprobs(context), expected, atol=TOL, rtol=0)
+    llm.close()
+
+
+# ---------------------------------------------------------------- input validation
+
+BAD_INPUTS = [
+    pytest.param([], ValueError, "empty", id="empty"),
+    pytest.param([1.0], TypeError, "token_ids[0]", id="float"),
+    pytest.param([1, "2"], TypeError, "token_ids[1]", id="str-element"),
+    pytest.param([None], TypeError, "NoneType", id="none"),
+    pytest.param([True], TypeError, "bool", id="bool"),
+    pytest.param(torch.tensor([1.0, 2.0]), TypeError, "integer dtype", id="float-tensor"),
+    pytest.param(torch.tensor([True]), TypeError, "integer dtype", id="bool-tensor"),
+    pytest.param(np.array([1.5]), TypeError, "integer dtype", id="float-array"),
+    pytest.param([-1], ValueError, "token_ids[0] = -1 is outside", id="negative"),
+    pytest.param([0, V], ValueError, f"token_ids[1] = {V} is outside", id="too-large"),
+    pytest.param(list(range(MAX_CONTEXT + 1)), ValueError, "more than the model's context",
+                 id="too-long"),
+    pytest.param("abc", TypeError, "sequence of ints", id="str"),
+    pytest.param(5, TypeError, "sequence of ints", id="int"),
+    pytest.param(torch.tensor([[1, 2]]), TypeError, "1-D", id="2d-tensor"),
+    pytest.param(np.array([[1, 2]]), TypeError, "1-D", id="2d-array"),
+    pytest.param(torch.tensor(3), TypeError, "1-D", id="0d-tensor"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", BAD_INPUTS)
+async def test_bad_input_raises_before_model_work(llm, bad, error, message):
+    before = llm.stats
+    with pytest.raises(error) as info:
+        await llm.next_token_logprobs(bad)
+    assert message in str(info.value)
+    with pytest.raises(error, match=None) as info:
+        llm.next_token_logprobs_sync(bad)
+    assert message in str(info.value)
+    with pytest.raises(error):
+        await llm.batch_next_token_logprobs([[1], bad])
+    with pytest.raises(error):
+        llm.batch_next_token_logprobs_sync([[1], bad])
+    with pytest.raises(error):
+        await llm.sample(bad, max_tokens=2, eos_token_ids=[])
+    assert llm.stats == before
+
+
+@pytest.mark.parametrize("bad, error, message", BAD_INPUTS)
+async def test_bad_input_does_not_affect_concurrent_requests(llm, bad, error, message):
+    good = [[1, 2], [3], [1, 2, 3]]
+    outcomes = await asyncio.gather(
+        llm.next_token_logprobs(good[0]),
+        llm.next_token_logprobs(bad),
+        llm.next_token_logprobs(good[1]),
+        llm.batch_next_token_logprobs([good[2], bad]),
+        llm.next_token_logprobs(good[2]),
+        return_exceptions=True,
+    )
+    assert isinstance(outcomes[1], error) and message in str(outcomes[1])
+    assert isinstance(outcomes[3], error)
+    for outcome, context in zip([outcomes[0], outcomes[2], outcomes[4]], good):
+        torch.testing.assert_close(outcome, reference(context), atol=TOL, rtol=0)
+
+
+async def test_bad_list_of_contexts(llm):
+    with pytest.raises(ValueError, match="empty"):
+        await llm.batch_next_token_logprobs([])
+    with pytest.raises(TypeError, match="list of contexts"):
+        llm.batch_next_token_logprobs_sync("abc")
+    with pytest.raises(TypeError, match="list of contexts"):
+        await llm.batch_next_token_logprobs(7)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        pytest.param(np.array([1, 2, 3], dtype=np.int32), id="int32-array"),
+        pytest.param(np.array([1, 2, 3], dtype=np.uint8), id="uint8-array"),
+        pytest.param(torch.tensor([1, 2, 3]), id="int64-tensor"),
+        pytest.param(torch.tensor([1, 2, 3], dtype=torch.int16), id="int16-tensor"),
+        pytest.param([np.int64(1), np.int32(2), 3], id="numpy-scalars"),
+        pytest.param((1, 2, 3), id="tuple"),
+        pytest.param(range(1, 4), id="range"),
+    ],
+)
+async def test_integer_inputs_of_any_kind_are_accepted(llm, ids):
+    expected = reference([1, 2, 3])
+    torch.testing.assert_close(await llm.next_token_logprobs(ids), expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(llm.next_token_logprobs_sync(ids), expected, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------- sync bridge and loops
+
+
+def test_sync_works_without_an_event_loop(llm):
+    torch.testing.assert_close(llm.next_token_logprobs_sync([4, 2]), reference([4, 2]),
+                               atol=TOL, rtol=0)
+    rows = llm.batch_next_token_logprobs_sync([[4, 2], [2, 4]])
+    torch.testing.assert_close(rows[1], reference([2, 4]), atol=TOL, rtol=0)
+
+
+async def test_sync_works_inside_a_running_loop(llm):
+    pending = asyncio.ensure_future(llm.next_token_logprobs([6]))
+    row = llm.next_token_logprobs_sync([4, 2])
+    torch.testing.assert_close(row, reference([4, 2]), atol=TOL, rtol=0)
+    torch.testing.assert_close(await pending, reference([6]), atol=TOL, rtol=0)
+
+
+def test_one_object_serves_several_asyncio_runs(llm):
+    for run in range(3):
+        contexts = [[run], [run, 1], [run, 2]]
+
+        async def main():
+            return await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+
+        for row, context in zip(asyncio.run(main()), contexts):
+            torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    assert llm.stats.num_batches == 3  # one batch per run: each loop batches its requests
+
+
+async def test_concurrent_requests_share_batches(llm):
+    contexts = [[i, j] for i in range(5) for j in range(4)]
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert llm.stats.num_batches == 1 and llm.stats.num_contexts_computed == 20
+    for row, context in zip(rows, contexts):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+
+
+async def test_batch_results_equal_single_results(llm):
+    contexts = [[1], [2, 3], [1], [4, 5, 6]]
+    batch = await llm.batch_next_token_logprobs(contexts)
+    batch_sync = make_llm().batch_next_token_logprobs_sync(contexts)
+    assert batch.shape == batch_sync.shape == (4, V)
+    for i, context in enumerate(contexts):
+        torch.testing.assert_close(batch[i], reference(context), atol=TOL, rtol=0)
+        torch.testing.assert_close(batch_sync[i], reference(context), atol=TOL, rtol=0)
+
+
+def test_sync_batches_respect_batch_size():
+    llm = make_llm(batch_size=3)
+    llm.batch_next_token_logprobs_sync([[i] for i in range(7)])
+    assert llm.stats.num_batches == 3 and llm.stats.num_contexts_computed == 7
+
+
+# ---------------------------------------------------------------- sampling
+
+
+async def test_sample_is_reproducible_with_a_seed(llm):
+    first = await llm.sample([1, 2], max_tokens=6, eos_token_ids=[], seed=11)
+    again = await llm.sample([1, 2], max_tokens=6, eos_token_ids=[], seed=11)
+    other = await llm.sample([1, 2], max_tokens=6, eos_token_ids=[], seed=12)
+    assert first == again and len(first) == 6
+    assert all(isinstance(t, int) and 0 <= t < V for t in first)
+    assert other != first  # fixed seeds: deterministic, 12**-6 odds of a tie
+
+
+async def test_sample_stops_at_eos_without_returning_it():
+    llm = make_llm(max_context_length=None)
+    free = await llm.sample([0], max_tokens=40, eos_token_ids=[], seed=5)
+    stop_token = next(t for t in free if t != free[0])
+    stop_at = free.index(stop_token)
+    # Same seed, same contexts: the same draws until the stop token comes up.
+    stopped = await llm.sample([0], max_tokens=40, eos_token_ids=[stop_token], seed=5)
+    assert stopped == free[:stop_at]
+    assert await llm.sample([0], max_tokens=0, eos_token_ids=[], seed=5) == []
+
+
+async def test_batch_sample_gives_each_prompt_its_own_stream(llm):
+    prompts = [[3, 3]] * 6
+    samples = await llm.batch_sample(prompts, max_tokens=5, eos_token_ids=[], seed=1)
+    assert len(samples) == 6 and all(len(s) == 5 for s in samples)
+    assert len({tuple(s) for s in samples}) > 1  # identical prompts, independent draws
+    assert await llm.batch_sample(prompts, max_tokens=5, eos_token_ids=[], seed=1) == samples
+
+
+def sampled_frequencies(samples: list[list[int]]) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor([s[0] for s in samples]), minlength=V)
+    return counts.double() / len(samples)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+async def test_sample_frequencies_match_the_distribution(llm, temperature):
+    num_samples, prompt = 6000, [2, 7]
+    logprobs = await llm.next_token_logprobs(prompt)
+    probs = torch.softmax(logprobs.double() / temperature, dim=-1)
+    samples = await llm.batch_sample(
+        [prompt] * num_samples, max_tokens=1, eos_token_ids=[], temperature=temperature, seed=0
+    )
+    frequencies = sampled_frequencies(samples)
+    # 5 standard errors per token (seeded: the outcome is fixed, the margin is wide).
+    margin = 5 * torch.sqrt(probs * (1 - probs) / num_samples) + 1e-3
+    assert torch.all((frequencies - probs).abs() <= margin), (frequencies, probs)
+    # The check has power: the other temperature's distribution is rejected.
+    other = torch.softmax(logprobs.double() / (1.5 - temperature), dim=-1)
+    assert not torch.all((frequencies - other).abs() <= margin)
+
+
+async def test_sample_rejects_bad_options(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        await llm.sample([1], max_tokens=-1, eos_token_ids=[])
+    with pytest.raises(ValueError, match="temperature"):
+        await llm.sample([1], max_tokens=1, eos_token_ids=[], temperature=0.0)
+
+
+# ---------------------------------------------------------------- caching
+
+
+async def test_clear_cache_forces_recomputation(llm):
+    first = await llm.next_token_logprobs([1, 1])
+    await llm.next_token_logprobs([1, 1])
+    assert llm.stats.num_batches == 1 and llm.stats.output_cache_bytes == V * 4
+    llm.clear_cache()
+    assert llm.stats.output_cache_bytes == 0 and len(llm.output_cache) == 0
+    again = await llm.next_token_logprobs([1, 1])
+    assert llm.stats.num_batches == 2
+    torch.testing.assert_close(again, first, atol=TOL, rtol=0)
+
+
+async def test_output_cache_holds_only_the_rows_it_accounts_for(llm):
+    await llm.batch_next_token_logprobs([[1], [2], [3], [4]])
+    for context in ([1], [2], [3], [4]):
+        row = llm.output_cache.get((None, tuple(context)))
+        # A row that is a view of its whole batch would keep [B, V] alive for V floats of budget.
+        assert row.untyped_storage().nbytes() == V * row.element_size()
+
+
+# ---------------------------------------------------------------- lifecycle and errors
+
+
+async def test_aclose_fails_pending_requests_and_later_use():
+    llm = make_llm(timeout_s=60.0)
+    llm.batch_size = 100
+    pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(llm.aclose(), 10)
+    with pytest.raises(BackendClosedError):
+        await pending
+    with pytest.raises(BackendClosedError, match="closed"):
+        await llm.next_token_logprobs([1])
+    with pytest.raises(BackendClosedError):
+        llm.next_token_logprobs_sync([1])
+    with pytest.raises(BackendClosedError):
+        await llm.batch_next_token_logprobs([[1]])
+    await llm.aclose()  # idempotent
+    assert issubclass(BackendClosedError, BatcherClosedError)
+
+
+def test_close_then_use_raises():
+    llm = make_llm()
+    llm.next_token_logprobs_sync([1])
+    llm.close()
+    with pytest.raises(BackendClosedError):
+        llm.batch_next_token_logprobs_sync([[1]])
+    with pytest.raises(BackendClosedError):
+        asyncio.run(llm.next_token_logprobs([1]))
+
+
+async def test_async_with_closes():
+    async with make_llm() as llm:
+        await llm.next_token_logprobs([1])
+    with pytest.raises(BackendClosedError):
+        await llm.next_token_logprobs([1])
+
+
+async def test_reset_async_queries_keeps_the_backend_usable(llm):
+    llm.timeout_s = 60.0
+    llm.batch_size = 100
+    await llm.next_token_logprobs([2])  # creates this loop's batcher with the options above
+    pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(llm.reset_async_queries(), 10)
+    with pytest.raises(BatcherClosedError):
+        await pending
+    row = await asyncio.wait_for(llm.next_token_logprobs([2]), 10)  # cached
+    torch.testing.assert_close(row, reference([2]), atol=TOL, rtol=0)
+
+
+def test_constructor_rejects_bad_options():
+    with pytest.raises(ValueError, match="batch_size"):
+        make_llm(batch_size=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        make_llm(timeout_s=-1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        make_llm(output_cache_bytes=-1)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+async def test_stats_count_requests_batches_and_tokens(llm):
+    await llm.next_token_logprobs([1, 2])  # computed
+    await llm.next_token_logprobs([1, 2])  # output cache hit
+    await asyncio.gather(llm.next_token_logprobs([3]), llm.next_token_logprobs([4, 5, 6]))
+    llm.batch_next_token_logprobs_sync([[7], [1, 2]])  # one computed, one hit
+    stats = llm.stats
+    assert stats == LMStats(
+        num_requests=6,
+        num_batches=3,
+        num_contexts_computed=4,
+        num_output_cache_hits=2,
+        num_tokens_requested=2 + 2 + 1 + 3 + 1 + 2,
+        num_tokens_computed=2 + 2 + 1 + 3 + 1 + 2,
+        output_cache_bytes=4 * V * 4,
+        kv_cache_bytes=0,
+    )
+    assert stats.mean_batch_size == pytest.approx(4 / 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.num_requests = 0
