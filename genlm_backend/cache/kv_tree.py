@@ -6,7 +6,8 @@ is a :class:`KVEntry`: a row of a block and the slot range ``[start, start +
 length)`` holding that context's keys/values. Because attention keys/values
 of a prefix do not depend on what follows it, an entry also serves every
 prefix of its context: a request whose context extends, or branches off, a
-cached one reuses the shared part.
+cached one reuses the shared part, and inserting an entry retires the
+entries of its prefixes (their keys/values are a slice of the new one).
 
 Memory: a block is freed when its last entry is evicted. ``bytes_held`` is
 the size of the live blocks, kept at or under ``budget_bytes`` by evicting
@@ -154,7 +155,10 @@ class KVPrefixTree:
         return self._bytes_held + nbytes <= self.budget_bytes
 
     def insert(self, context: Sequence[int], entry: KVEntry, namespace: Hashable = None) -> None:
-        """Cache ``entry`` as the keys/values of ``context`` (replacing an older entry).
+        """Cache ``entry`` as the keys/values of ``context``.
+
+        Entries of prefixes of ``context`` are evicted: the new entry serves
+        them too, so in a growing SMC particle only the newest block stays.
 
         The entry's block starts counting against the budget with its first
         entry; call :meth:`reserve` first to make room.
@@ -166,6 +170,9 @@ class KVPrefixTree:
             raise ValueError(f"entry holds {entry.length} slots for a context of {len(context)}")
         node = self._roots.setdefault(namespace, _Node(None, namespace))
         for token in context:
+            if node.entry is not None:
+                # The new entry's first slots cover this ancestor's context: drop the copy.
+                self._evict(node.entry, prune=False)
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(node, token)

@@ -1,0 +1,176 @@
+"""SMC-style sampling throughput of the HF backend vs the floor vs upstream genlm-backend.
+
+Workload: N particles each sample S tokens, one ``await next_token_logprobs``
+per step, from a shared 25-token prompt, SmolLM2-135M-Instruct fp32 on CPU
+(2 threads). Each variant runs in its own process (clean peak RSS):
+
+* ``floor``: a plain batched decode loop with a transformers DynamicCache
+  (one forward of N tokens per step): the cost of the model alone.
+* ``ours``: ``genlm_backend.AsyncTransformer`` with default settings.
+* ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
+  from its own virtualenv (``benchmarks/upstream_env.sh``), without and with
+  ``cache_kv`` on the prompt.
+
+Usage::
+
+    python benchmarks/bench_hf.py                      # 16x32 and 64x128
+    python benchmarks/bench_hf.py --workloads 16x32 --variants floor ours
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
+PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
+VARIANTS = ("floor", "ours", "upstream", "upstream+cache_kv")
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(PROMPT)
+    return ids[:25]
+
+
+def run_variant(variant: str, particles: int, steps: int, model_dir: str) -> dict:
+    """Run one variant in this process; returns seconds and peak RSS."""
+    import torch
+
+    torch.set_num_threads(2)
+    if variant == "floor":
+        seconds = _run_floor(particles, steps, model_dir)
+    elif variant == "ours":
+        seconds, stats = _run_ours(particles, steps, model_dir)
+    else:
+        raise ValueError(variant)
+    result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
+    if variant == "ours":
+        result["stats"] = stats
+    return result
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def _run_floor(particles: int, steps: int, model_dir: str) -> float:
+    import torch
+    from transformers import DynamicCache
+
+    model, tokenizer = _load(model_dir)
+    prompt = prompt_ids(tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]))  # warm-up
+        start = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        logits = model(torch.tensor([prompt] * particles), past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(steps):
+            probs = torch.softmax(torch.log_softmax(logits.float(), -1), -1)
+            tokens = torch.multinomial(probs, 1, generator=generator)
+            logits = model(tokens, past_key_values=cache, use_cache=True).logits[:, -1]
+        return time.perf_counter() - start
+
+
+def _run_ours(particles: int, steps: int, model_dir: str):
+    import asyncio
+    import dataclasses
+
+    import torch
+
+    from genlm_backend.llm.hf import AsyncTransformer
+
+    model, tokenizer = _load(model_dir)
+    llm = AsyncTransformer(model, tokenizer)
+    prompt = prompt_ids(tokenizer)
+    llm.next_token_logprobs_uncached(prompt)  # warm-up, caches nothing
+
+    async def particle(seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        context = list(prompt)
+        for _ in range(steps):
+            logprobs = await llm.next_token_logprobs(context)
+            context.append(int(torch.multinomial(logprobs.exp(), 1, generator=generator)))
+
+    async def main():
+        await asyncio.gather(*(particle(seed) for seed in range(particles)))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    seconds = time.perf_counter() - start
+    stats = dataclasses.asdict(llm.stats) | {"mean_batch_size": llm.stats.mean_batch_size}
+    return seconds, stats
+
+
+def spawn(variant: str, particles: int, steps: int, model_dir: str) -> dict:
+    if variant.startswith("upstream"):
+        if not UPSTREAM_PYTHON.exists():
+            return {"variant": variant, "error": f"no upstream venv at {UPSTREAM_PYTHON}; run benchmarks/upstream_env.sh"}
+        command = [str(UPSTREAM_PYTHON), str(HERE / "upstream_hf_driver.py"), "--cache-kv" if "cache_kv" in variant else "--no-cache-kv"]
+    else:
+        command = [sys.executable, __file__, "--child", variant]
+    command += ["--particles", str(particles), "--steps", str(steps), "--model-dir", model_dir]
+    result = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE.parent)})
+    if result.returncode != 0:
+        return {"variant": variant, "error": result.stderr[-1500:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--child", choices=("floor", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_variant(args.child, args.particles, args.steps, args.model_dir)))
+        return
+
+    from genlm_backend.models import default_model_dir
+
+    model_dir = str(default_model_dir())
+    results = []
+    print(f"# bench_hf: SmolLM2-135M fp32, 2 threads, {platform.processor() or platform.machine()}")
+    print("| particles x steps | variant | seconds | vs floor | peak RSS (MB) | mean batch | tokens computed / requested |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        particles, steps = map(int, workload.split("x"))
+        rows = [spawn(v, particles, steps, model_dir) | {"workload": workload} for v in args.variants]
+        floor = next((r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None)
+        for r in rows:
+            results.append(r)
+            if "error" in r:
+                print(f"| {workload} | {r['variant']} | error: {r['error'].strip().splitlines()[-1][:80]} | | | | |")
+                continue
+            ratio = f"{r['seconds'] / floor:.2f}x" if floor else "-"
+            stats = r.get("stats")
+            batch = f"{stats['mean_batch_size']:.1f}" if stats else "-"
+            tokens = f"{stats['num_tokens_computed']} / {stats['num_tokens_requested']}" if stats else "-"
+            print(f"| {workload} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} | {batch} | {tokens} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""KVPrefixTree without a model: blocks whose 'keys' record the token at each slot."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
+
+NUM_LAYERS = 2
+
+
+def make_block(contexts: list[list[int]], starts: list[int], num_slots: int) -> KVBlock:
+    """A block whose keys[row, 0, slot, 0] is the token at that slot (-1 where unused)."""
+    layers = []
+    for _ in range(NUM_LAYERS):
+        keys = torch.full((len(contexts), 1, num_slots, 1), -1.0)
+        for row, (context, start) in enumerate(zip(contexts, starts)):
+            keys[row, 0, start : start + len(context), 0] = torch.tensor(context, dtype=torch.float)
+        layers.append((keys, keys.clone()))
+    return KVBlock(layers)
+
+
+def cache_contexts(tree: KVPrefixTree, contexts: list[list[int]], namespace=None) -> KVBlock:
+    num_slots = max(len(c) for c in contexts) + 2
+    starts = [1] * len(contexts)
+    block = make_block(contexts, starts, num_slots)
+    assert tree.reserve(block.nbytes)
+    for row, context in enumerate(contexts):
+        tree.insert(context, KVEntry(block, row, 1, len(context)), namespace)
+    return block
+
+
+def reused_tokens(tree: KVPrefixTree, context: list[int], namespace=None) -> list[int]:
+    """The tokens whose keys the tree would hand out for ``context``."""
+    entry, shared = tree.longest_prefix(context, namespace)
+    if entry is None:
+        return []
+    keys, values = entry.block.keys_values(NUM_LAYERS - 1, entry.row, entry.start, shared)
+    assert torch.equal(keys, values)
+    return [int(t) for t in keys[0, :, 0]]
+
+
+def test_extension_reuses_the_whole_cached_context():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3]])
+    assert reused_tokens(tree, [1, 2, 3, 4, 5]) == [1, 2, 3]
+
+
+def test_sibling_branch_reuses_the_shared_part():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3, 9]])
+    assert reused_tokens(tree, [1, 2, 3, 7]) == [1, 2, 3]
+
+
+def test_shallow_after_deep_reuses_a_prefix_of_the_deep_entry():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[5, 6, 7, 8, 9]])
+    assert reused_tokens(tree, [5, 6]) == [5, 6]
+
+
+def test_unrelated_context_shares_nothing():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3]])
+    assert tree.longest_prefix([4, 2, 3]) == (None, 0)
+
+
+def test_namespaces_are_isolated():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3]], namespace="adapter-a")
+    assert tree.longest_prefix([1, 2, 3, 4], namespace=None) == (None, 0)
+    assert tree.longest_prefix([1, 2, 3, 4], namespace="adapter-b") == (None, 0)
+    assert reused_tokens(tree, [1, 2, 3, 4], namespace="adapter-a") == [1, 2, 3]
+
+
+def test_inserting_an_extension_retires_the_prefix_entry_and_frees_its_block():
+    tree = KVPrefixTree(1 << 20)
+    first = cache_contexts(tree, [[1, 2]])
+    assert tree.stats.num_blocks == 1
+    cache_contexts(tree, [[1, 2, 3]])
+    assert first.num_live_entries == 0
+    assert tree.stats.num_blocks == 1 and tree.stats.num_entries == 1
+    assert tree.bytes_held == tree._blocks[next(iter(tree._blocks))].nbytes
+    assert reused_tokens(tree, [1, 2, 3, 4]) == [1, 2, 3]
+
+
+def test_a_block_stays_alive_while_any_of_its_rows_is_cached():
+    tree = KVPrefixTree(1 << 20)
+    block = cache_contexts(tree, [[1, 2], [3, 4]])
+    cache_contexts(tree, [[1, 2, 5]])  # retires row 0 only
+    assert block.num_live_entries == 1
+    assert tree.stats.num_blocks == 2
+    assert reused_tokens(tree, [3, 4, 6]) == [3, 4]
+
+
+def test_lru_eviction_keeps_bytes_within_budget():
+    one_block = make_block([[1, 2, 3]], [1], 5).nbytes
+    tree = KVPrefixTree(2 * one_block)
+    cache_contexts(tree, [[1, 2, 3]])
+    cache_contexts(tree, [[4, 5, 6]])
+    tree.longest_prefix([1, 2, 3, 0])  # touch: [4, 5, 6] is now least recently used
+    cache_contexts(tree, [[7, 8, 9]])
+    assert tree.bytes_held <= tree.budget_bytes
+    assert tree.longest_prefix([4, 5, 6, 0]) == (None, 0)
+    assert reused_tokens(tree, [1, 2, 3, 0]) == [1, 2, 3]
+    assert reused_tokens(tree, [7, 8, 9, 0]) == [7, 8, 9]
+    assert tree.stats.num_evictions >= 1
+
+
+def test_reserve_keeps_pinned_entries_and_reports_when_it_cannot_fit():
+    one_block = make_block([[1, 2, 3]], [1], 5).nbytes
+    tree = KVPrefixTree(one_block)
+    cache_contexts(tree, [[1, 2, 3]])
+    pinned, _ = tree.longest_prefix([1, 2, 3])
+    assert tree.reserve(one_block, pinned=[pinned]) is False
+    assert len(tree) == 1
+    assert tree.reserve(one_block) is True
+    assert len(tree) == 0 and tree.bytes_held == 0
+
+
+def test_insert_rejects_an_entry_of_the_wrong_length():
+    tree = KVPrefixTree(1 << 20)
+    block = make_block([[1, 2]], [0], 2)
+    with pytest.raises(ValueError, match="2 slots for a context of 3"):
+        tree.insert([1, 2, 3], KVEntry(block, 0, 0, 2))
+
+
+def test_negative_budget_is_rejected():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        KVPrefixTree(-1)
+
+
+def test_clear_drops_everything():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3], [1, 4]])
+    tree.clear()
+    assert tree.stats.num_entries == 0 and tree.bytes_held == 0
+    assert tree.longest_prefix([1, 2, 3]) == (None, 0)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6))
+def test_random_workloads_match_a_brute_force_model(seed, budget_blocks):
+    """Lookups hand out exactly the longest prefix shared with a live entry, within budget."""
+    rng = random.Random(seed)
+    one_block = make_block([[0] * 6] * 3, [1] * 3, 8).nbytes
+    tree = KVPrefixTree(budget_blocks * one_block)
+    for _ in range(25):
+        contexts = [[rng.randrange(3) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+        query = [rng.randrange(3) for _ in range(rng.randint(1, 7))]
+        live = [entry_context(entry) for entry in tree._lru.values()]
+        expected = max((common_prefix(c, query) for c in live), default=0)
+        entry, shared = tree.longest_prefix(query)
+        assert shared == expected
+        if shared:
+            assert reused_tokens(tree, query) == query[:shared]
+        block = make_block(contexts, [1] * 3, 8)
+        if tree.reserve(block.nbytes):
+            for row, context in enumerate(contexts):
+                tree.insert(context, KVEntry(block, row, 1, len(context)))
+        assert tree.bytes_held <= tree.budget_bytes
+        assert tree.bytes_held == sum(b.nbytes for b in tree._blocks.values())
+
+
+def entry_context(entry: KVEntry) -> list[int]:
+    keys, _ = entry.block.keys_values(0, entry.row, entry.start, entry.length)
+    return [int(t) for t in keys[0, :, 0]]
