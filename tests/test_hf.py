@@ -1,0 +1,233 @@
+"""AsyncTransformer: every cached, batched or reused path equals a plain uncached forward.
+
+Reference: ``log_softmax(model(full_context).logits[-1])`` in fp32, one context
+at a time, no cache. Tolerance: 1e-4 absolute on log-probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from genlm_backend.llm.hf import AsyncTransformer
+
+ATOL = 1e-4
+
+
+def reference(model, context) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(context)]), use_cache=False).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_matches_reference(llm: AsyncTransformer, context, result: torch.Tensor) -> None:
+    expected = reference(llm.model, context)[: llm.vocab_size]
+    assert result.dtype == torch.float32 and result.shape == (llm.vocab_size,)
+    torch.testing.assert_close(result, expected, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
+def tiny(request):
+    model, tokenizer = request.getfixturevalue(request.param)
+    return model, tokenizer
+
+
+def random_workload(rng: random.Random, vocab: int, num_rounds: int, per_round: int):
+    """Rounds of concurrent contexts: extensions, siblings, prefixes (deep-then-shallow) and fresh ones."""
+    seen: list[list[int]] = [[rng.randrange(vocab) for _ in range(rng.randint(3, 12))]]
+    for _ in range(num_rounds):
+        batch = []
+        for _ in range(per_round):
+            base = rng.choice(seen)
+            kind = rng.random()
+            if kind < 0.5:
+                context = base + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            elif kind < 0.7:
+                context = base[: rng.randint(1, len(base))]
+            elif kind < 0.9:
+                cut = rng.randint(1, len(base))
+                context = base[:cut] + [rng.randrange(vocab)]
+            else:
+                context = [rng.randrange(vocab) for _ in range(rng.randint(1, 15))]
+            batch.append(context)
+        seen.extend(batch)
+        yield batch
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_random_concurrent_workloads_match_uncached_forward(tiny, seed):
+    model, tokenizer = tiny
+    llm = AsyncTransformer(model, tokenizer, batch_size=6)
+    rng = random.Random(seed)
+    for batch in random_workload(rng, 2000, num_rounds=5, per_round=9):
+        results = await asyncio.gather(*(llm.next_token_logprobs(c) for c in batch))
+        for context, result in zip(batch, results):
+            assert_matches_reference(llm, context, result)
+    stats = llm.stats
+    assert stats.num_tokens_computed < stats.num_tokens_requested
+    assert stats.num_batches >= 5
+
+
+async def test_evicted_prefixes_are_recomputed_correctly(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, kv_cache_bytes=200_000, output_cache_bytes=0)
+    rng = random.Random(7)
+    for batch in random_workload(rng, 3000, num_rounds=6, per_round=8):
+        results = await asyncio.gather(*(llm.next_token_logprobs(c) for c in batch))
+        assert llm.kv_cache.bytes_held <= 200_000
+        for context, result in zip(batch, results):
+            assert_matches_reference(llm, context, result)
+    assert llm.kv_cache.stats.num_evictions > 0
+
+
+async def test_sibling_particles_reuse_their_shared_prefix(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer)
+    prompt = list(range(100, 120))
+    await llm.next_token_logprobs(prompt)
+    before = llm.stats.num_tokens_computed
+    children = [prompt + [t] for t in (5, 6, 7, 8)]
+    results = await asyncio.gather(*(llm.next_token_logprobs(c) for c in children))
+    assert llm.stats.num_tokens_computed - before == 4  # one new token each
+    for context, result in zip(children, results):
+        assert_matches_reference(llm, context, result)
+
+
+async def test_deep_then_shallow_reuses_the_deep_entry(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    llm = AsyncTransformer(model, tokenizer)
+    deep = list(range(300, 340))
+    await llm.next_token_logprobs(deep)
+    before = llm.stats.num_tokens_computed
+    shallow = deep[:17]
+    result = await llm.next_token_logprobs(shallow)
+    assert llm.stats.num_tokens_computed - before == 1
+    assert_matches_reference(llm, shallow, result)
+
+
+def test_sync_paths_match_and_batch_of_one(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer)
+    contexts = [[1, 2, 3], [1, 2, 3, 4, 5], [9], [1, 2, 7]]
+    batch = llm.batch_next_token_logprobs_sync(contexts)
+    for context, row in zip(contexts, batch):
+        assert_matches_reference(llm, context, row)
+    single = llm.next_token_logprobs_sync([1, 2, 3, 4, 5, 6])
+    assert_matches_reference(llm, [1, 2, 3, 4, 5, 6], single)
+    torch.testing.assert_close(llm.next_token_logprobs_uncached([9]), batch[2], atol=ATOL, rtol=0)
+
+
+async def test_sync_call_inside_a_running_loop(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    llm = AsyncTransformer(model, tokenizer)
+    async_result = await llm.next_token_logprobs([10, 20, 30])
+    sync_result = llm.next_token_logprobs_sync([10, 20, 30, 40])
+    assert_matches_reference(llm, [10, 20, 30], async_result)
+    assert_matches_reference(llm, [10, 20, 30, 40], sync_result)
+
+
+async def test_cached_results_are_fresh_tensors(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer)
+    first = await llm.next_token_logprobs([4, 5, 6])
+    first.fill_(0.0)
+    second = await llm.next_token_logprobs([4, 5, 6])
+    assert_matches_reference(llm, [4, 5, 6], second)
+    assert llm.stats.num_output_cache_hits == 1
+
+
+async def test_cache_kv_and_clear_kv_cache(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer)
+    prompt = list(range(50, 70))
+    llm.cache_kv(prompt)
+    before = llm.stats.num_tokens_computed
+    await llm.next_token_logprobs(prompt + [3])
+    assert llm.stats.num_tokens_computed - before == 1
+    llm.clear_kv_cache()
+    assert llm.kv_cache.bytes_held == 0
+    before = llm.stats.num_tokens_computed
+    result = await llm.next_token_logprobs(prompt + [4])
+    assert llm.stats.num_tokens_computed - before == len(prompt) + 1
+    assert_matches_reference(llm, prompt + [4], result)
+
+
+def test_context_longer_than_the_model_is_rejected_before_model_work(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    llm = AsyncTransformer(model, tokenizer)
+    assert llm.max_context_length == model.config.n_positions
+    with pytest.raises(ValueError, match="more than the model's context"):
+        llm.next_token_logprobs_sync([1] * (model.config.n_positions + 1))
+    assert llm.stats.num_batches == 0
+
+
+def test_output_is_trimmed_to_the_tokenizer_vocabulary(gpt2_tokenizer):
+    from tests.conftest import build_tiny_gpt2
+
+    model = build_tiny_gpt2(len(gpt2_tokenizer) + 47)  # padded embedding matrix
+    llm = AsyncTransformer(model, gpt2_tokenizer)
+    result = llm.next_token_logprobs_sync([1, 2, 3])
+    assert result.shape == (len(gpt2_tokenizer),)
+    assert abs(torch.logsumexp(result, 0).item()) < 1e-5
+    expected = reference(model, [1, 2, 3])[: len(gpt2_tokenizer)]
+    torch.testing.assert_close(result, torch.log_softmax(expected, 0), atol=ATOL, rtol=0)
+
+
+def test_model_without_columns_for_added_tokens_gives_them_minus_inf(gpt2_tokenizer):
+    from tests.conftest import build_tiny_gpt2
+
+    model = build_tiny_gpt2(len(gpt2_tokenizer) - 3)
+    llm = AsyncTransformer(model, gpt2_tokenizer)
+    result = llm.next_token_logprobs_sync([1, 2, 3])
+    assert torch.isneginf(result[-3:]).all()
+    assert abs(torch.logsumexp(result, 0).item()) < 1e-5
+
+
+async def test_lora_results_are_keyed_by_adapter(tiny_llama, tmp_path):
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
+    from tests.conftest import build_tiny_llama
+
+    model, tokenizer = tiny_llama
+    base = build_tiny_llama(model.config.vocab_size)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = peft.get_peft_model(build_tiny_llama(model.config.vocab_size), config)
+    adapted.save_pretrained(tmp_path / "adapter")
+    reference_adapted = adapted.eval()
+
+    llm = AsyncTransformer(base, tokenizer)
+    context = [11, 12, 13, 14]
+    base_result = await llm.next_token_logprobs(context)
+    llm.add_new_lora(str(tmp_path / "adapter"), "a")
+    llm.set_lora(lora_name="a")
+    lora_result = await llm.next_token_logprobs(context)
+    lora_extended = await llm.next_token_logprobs(context + [15])
+    llm.clear_lora()
+    base_again = await llm.next_token_logprobs(context + [15])
+
+    torch.testing.assert_close(lora_result, reference(reference_adapted, context), atol=ATOL, rtol=0)
+    torch.testing.assert_close(lora_extended, reference(reference_adapted, context + [15]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(base_result, reference(build_tiny_llama(model.config.vocab_size), context), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        base_again, reference(build_tiny_llama(model.config.vocab_size), context + [15]), atol=ATOL, rtol=0
+    )
+    assert (lora_result - base_result).abs().max() > 1e-3  # the adapter changes the output
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        llm.set_lora(lora_name="missing")
+
+
+@pytest.mark.slow
+async def test_smollm2_particles_match_uncached_forward(smollm2_model, smollm2_tokenizer):
+    llm = AsyncTransformer(smollm2_model, smollm2_tokenizer)
+    prompt = smollm2_tokenizer.encode("The quick brown fox")
+    rng = random.Random(3)
+    particles = [list(prompt) for _ in range(6)]
+    for _ in range(3):
+        results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        for particle, result in zip(particles, results):
+            assert_matches_reference(llm, particle, result)
+        # resample (siblings share prefixes) then extend
+        particles = [list(rng.choice(particles)) + [rng.randrange(49152)] for _ in particles]
+    assert llm.stats.num_tokens_computed < llm.stats.num_tokens_requested
