@@ -1,0 +1,74 @@
+"""Runs the bench_hf workload on upstream genlm-backend 0.3.1 (inside its own virtualenv).
+
+Prints one JSON line: seconds and peak RSS. Called by ``bench_hf.py``; not
+importable from this project's environment (it needs ``genlm.backend``).
+"""
+
+import argparse
+import asyncio
+import json
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from genlm.backend.llm import AsyncTransformer
+
+PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
+
+
+def load(model_dir: str):
+    """Load the transformers-5 folder with transformers 4 (rope settings moved between versions)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    rope = config.pop("rope_parameters", {})
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    staging = Path(tempfile.mkdtemp())
+    for path in Path(model_dir).iterdir():
+        if path.name != "config.json":
+            (staging / path.name).symlink_to(path)
+    (staging / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(staging, torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(staging)
+    shutil.rmtree(staging)
+    return model, tokenizer
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache-kv", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--particles", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--model-dir", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model, tokenizer = load(args.model_dir)
+    llm = AsyncTransformer(model, tokenizer)
+    prompt = tokenizer.encode(PROMPT)[:25]
+    llm.next_token_logprobs_uncached(prompt)  # warm-up
+    if args.cache_kv:
+        llm.cache_kv(prompt)
+
+    async def particle(seed):
+        generator = torch.Generator().manual_seed(seed)
+        context = list(prompt)
+        for _ in range(args.steps):
+            logprobs = await llm.next_token_logprobs(context)
+            context.append(int(torch.multinomial(logprobs.exp(), 1, generator=generator)))
+
+    async def run():
+        await asyncio.gather(*(particle(seed) for seed in range(args.particles)))
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    variant = "upstream+cache_kv" if args.cache_kv else "upstream"
+    print(json.dumps({"variant": variant, "seconds": seconds, "peak_rss_mb": peak}))
+
+
+if __name__ == "__main__":
+    main()
