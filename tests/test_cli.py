@@ -1,0 +1,113 @@
+"""The ``genlm-backend`` command, called in-process through ``main([...])``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import genlm_backend
+from genlm_backend.cli import main
+from genlm_backend.llm import MockAsyncLM, loader
+
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(.+?)\s+(\d\.\d{6})$")
+
+
+def table_rows(stdout: str) -> list[tuple[int, int, str, float]]:
+    rows = [ROW.match(line) for line in stdout.splitlines()]
+    return [(int(m[1]), int(m[2]), m[3], float(m[4])) for m in rows if m]
+
+
+def test_info_reports_backends_versions_and_cache(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GENLM_BACKEND_CACHE", str(tmp_path / "assets"))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    fields = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines())
+    backends = fields["backends available"].split(", ")
+    assert {"hf", "mock"} <= set(backends)
+    assert ("vllm" in backends) == loader.vllm_is_available()
+    assert fields["torch"] == torch.__version__
+    assert fields["genlm_backend"] == genlm_backend.__version__
+    assert fields["transformers"] == __import__("transformers").__version__
+    assert fields["asset cache"] == str(tmp_path / "assets")
+    assert fields["torch device"].startswith("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_info_without_vllm(capsys, monkeypatch):
+    monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^backends available\s+hf, mock$", out, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_demo_prints_the_mock_distribution(capsys, smollm2_tokenizer):
+    prompt = "Once upon a time"
+    assert main(["demo", "--backend", "mock", "--prompt", prompt, "--top-k", "7"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert [rank for rank, *_ in rows] == list(range(1, 8))
+    reference = MockAsyncLM(smollm2_tokenizer).next_token_logprobs_sync(
+        smollm2_tokenizer.encode(prompt)
+    )
+    probs, tokens = torch.topk(reference.exp(), 7)
+    assert [token for _, token, _, _ in rows] == tokens.tolist()
+    printed = torch.tensor([prob for *_, prob in rows], dtype=torch.float64)
+    torch.testing.assert_close(printed, probs.double(), atol=1e-6, rtol=0)
+    assert repr(prompt) in out
+
+
+@pytest.mark.slow
+def test_demo_with_the_hf_backend_matches_transformers(capsys, smollm2_model, smollm2_tokenizer):
+    prompt = "The capital of France is"
+    assert main(["demo", "--backend", "hf", "--prompt", prompt, "--top-k", "5"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    with torch.no_grad():
+        ids = torch.tensor([smollm2_tokenizer.encode(prompt)])
+        logits = smollm2_model(ids).logits[0, -1, : len(smollm2_tokenizer)]
+    probs, tokens = torch.topk(torch.softmax(logits.double(), -1), 5)
+    assert [token for _, token, _, _ in rows] == tokens.tolist()
+    printed = torch.tensor([prob for *_, prob in rows], dtype=torch.float64)
+    torch.testing.assert_close(printed, probs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--top-k", "0"], "positive integer"),
+        (["demo", "--top-k", "many"], "positive integer"),
+        (["demo", "--backend", "tpu"], "invalid choice"),
+        ([], "required"),
+        (["train"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_with_status_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_with_a_missing_backend_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
+    assert main(["demo", "--backend", "vllm"]) == 1
+    assert "pip install" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("genlm-backend") is None,
+                    reason="the genlm-backend script is not installed (pip install -e .)")
+def test_installed_command_runs():
+    result = subprocess.run(["genlm-backend", "info"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"^genlm_backend\s+{re.escape(genlm_backend.__version__)}$",
+                     result.stdout, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_demo_rejects_a_prompt_without_tokens(capsys, smollm2_tokenizer):
+    assert smollm2_tokenizer.encode("") == []  # the default model adds no BOS token
+    assert main(["demo", "--backend", "mock", "--prompt", ""]) == 1
+    assert "no tokens" in capsys.readouterr().err
