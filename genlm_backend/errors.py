@@ -37,3 +37,10 @@ class VocabularyDecodeError(GenlmBackendError, ValueError):
 
 class BackendClosedError(BatcherClosedError):
     """Raised by any request to an :class:`~genlm_backend.llm.base.AsyncLM` after ``aclose()``/``close()``."""
+
+
+class CaptureError(GenlmBackendError, RuntimeError):
+    """Raised by the vLLM backend when the engine returned no log-probabilities for a request.
+
+    Fails only the batch it concerns; the message says how many rows were missing.
+    """
