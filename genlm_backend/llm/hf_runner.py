@@ -118,13 +118,14 @@ class HFRunner:
             pinned=[row.entry for row in rows if row.entry is not None],
         )
         empty = torch.empty(len(rows), num_kv_heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
+        copies = _group_copies(rows, self.device)
         for layer_index, layer in enumerate(cache.layers):
             layer.lazy_initialization(empty, empty)
-            for i, row in enumerate(rows):
-                if row.reused:
-                    keys, values = row.entry.block.keys_values(layer_index, row.entry.row, row.entry.start, row.reused)
-                    layer.keys[i, :, num_past - row.reused : num_past] = keys
-                    layer.values[i, :, num_past - row.reused : num_past] = values
+            for (block, start, reused), (source_rows, target_rows) in copies.items():
+                keys, values = block.layers[layer_index]
+                target = slice(num_past - reused, num_past)
+                layer.keys[target_rows, :, target] = keys[source_rows, :, start : start + reused]
+                layer.values[target_rows, :, target] = values[source_rows, :, start : start + reused]
             layer.cumulative_length.fill_(num_past)
         return cache
 
@@ -173,6 +174,25 @@ class HFRunner:
         input_ids = torch.tensor([list(context)], device=self.device)
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         return self._normalize(logits)[0]
+
+
+def _group_copies(rows: list[_Row], device) -> dict:
+    """Rows whose pasts sit at the same slots of the same block, copied with one indexed copy per layer.
+
+    In an SMC step every particle extends a row of the previous batch, so
+    this is usually one group: 2 copies per layer instead of 2 per row and layer.
+    """
+    groups: dict[tuple, tuple[list[int], list[int]]] = {}
+    for i, row in enumerate(rows):
+        if row.reused:
+            key = (row.entry.block, row.entry.start, row.reused)
+            sources, targets = groups.setdefault(key, ([], []))
+            sources.append(row.entry.row)
+            targets.append(i)
+    return {
+        key: (torch.tensor(sources, device=device), torch.tensor(targets, device=device))
+        for key, (sources, targets) in groups.items()
+    }
 
 
 def _kv_shape(config) -> tuple[int, int]:
