@@ -41,8 +41,8 @@ def test_equality_between_tokens_needs_same_bytes_and_id():
 def test_same_bytes_different_ids_are_distinct_set_members_and_keys():
     first, second = Token(b"\n", 107), Token(b"\n", 248)
     assert len({first, second}) == 2
-    index = {first: "special", second: "regular"}
-    assert index[Token(b"\n", 107)] == "special" and index[Token(b"\n", 248)] == "regular"
+    index = {first: "added", second: "byte piece"}
+    assert index[Token(b"\n", 107)] == "added" and index[Token(b"\n", 248)] == "byte piece"
     assert len({first, Token(b"\n", 107)}) == 1
 
 
