@@ -127,12 +127,30 @@ def tokenizer_dir(name: str) -> Path:
 
 def load_tokenizer(name: str):
     """A transformers tokenizer for ``name`` (a key of :data:`NPM_TOKENIZERS`), built offline."""
-    from transformers import AutoTokenizer, GPT2Tokenizer
+    from transformers import AutoTokenizer, GPT2Tokenizer, PreTrainedTokenizerFast
 
     folder = tokenizer_dir(name)
     if name == "gpt2":
         return GPT2Tokenizer(vocab=str(folder / "encoder.json"), merges=str(folder / "vocab.bpe"))
-    return AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if not _matches_tokenizer_file(tokenizer, folder / "tokenizer.json"):
+        # transformers rebuilds some classes (e.g. LlamaTokenizerFast for DeepSeek-V3)
+        # with their own pre-tokenizer; the shipped tokenizer.json is the real one.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return tokenizer
+
+
+# Spaces, runs of spaces, newlines, tabs, digits, accents, CJK, emoji and punctuation.
+_PROBE_TEXT = "Hello,  world!\n\tGrüße 你好 12345 x=f(y); 🙂 end  "
+
+
+def _matches_tokenizer_file(tokenizer, path: Path) -> bool:
+    """Whether ``tokenizer`` encodes a probe text as the ``tokenizer.json`` at ``path`` does."""
+    from tokenizers import Tokenizer
+
+    shipped = Tokenizer.from_file(str(path))
+    loaded = tokenizer.backend_tokenizer
+    return loaded.encode(_PROBE_TEXT).ids == shipped.encode(_PROBE_TEXT).ids
 
 
 def main() -> None:
