@@ -218,11 +218,13 @@ def test_gemma3_same_bytes_different_ids_stay_distinct(vocab_of):
         assert [index[byte_vocab[i]] for i in ids] == ids
 
 
-def test_deepseek_v3_autotokenizer_is_not_byte_level(vocab_of, load_test_tokenizer):
+def test_deepseek_v3_autotokenizer_is_not_byte_level(vocab_of):
     """transformers 5's AutoTokenizer gives DeepSeek-V3 SentencePiece decoding over a
     byte-level vocabulary; decode_vocab follows the object it is handed, so its bytes
     agree with that tokenizer's own decode, and differ from the byte-level ones."""
-    misloaded = load_test_tokenizer("deepseek_v3")
+    from transformers import AutoTokenizer
+
+    misloaded = AutoTokenizer.from_pretrained(str(assets.tokenizer_dir("deepseek_v3")))
     _, right, _ = vocab_of("deepseek_v3")
     wrong, _ = decode_vocab(misloaded)
     the = misloaded.convert_tokens_to_ids("\u0120the")
