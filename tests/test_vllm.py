@@ -1,0 +1,185 @@
+"""AsyncVirtualLM agrees with a plain transformers forward of the same weights.
+
+Reference: ``log_softmax(model(context).logits[0, -1])`` in fp32, one context at
+a time. Tolerance: 1e-3 absolute on log-probabilities. The engines are built
+with a small ``max_num_batched_tokens`` and ``max_num_seqs`` so that long
+prompts are prefilled in chunks and large batches run over several steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU: .ci/install_vllm.sh)")
+
+from genlm_backend.errors import BackendClosedError  # noqa: E402
+from genlm_backend.llm.vllm import AsyncVirtualLM  # noqa: E402
+from tests.conftest import build_tiny_gpt2  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ATOL = 1e-3
+MAX_NUM_BATCHED_TOKENS = 64
+MAX_NUM_SEQS = 4
+ENGINE_OPTS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+    "max_num_seqs": MAX_NUM_SEQS,
+    "gpu_memory_utilization": 0.3,
+}
+
+
+def reference(model, context) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(context)])).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_matches(llm: AsyncVirtualLM, model, contexts, rows: torch.Tensor) -> None:
+    assert rows.dtype == torch.float32 and rows.shape == (len(contexts), llm.vocab_size)
+    for context, row in zip(contexts, rows):
+        expected = reference(model, context)[: llm.vocab_size]
+        torch.testing.assert_close(row, expected, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, gpt2_tokenizer):
+    path = tmp_path_factory.mktemp("tiny_gpt2")
+    build_tiny_gpt2(len(gpt2_tokenizer)).save_pretrained(path)
+    gpt2_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tiny_model_dir):
+    llm = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm(default_model_dir):
+    llm = AsyncVirtualLM.from_name(default_model_dir, engine_opts=ENGINE_OPTS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(params=["tiny", "smollm2"])
+def backend(request):
+    """(AsyncVirtualLM, its transformers reference model)."""
+    if request.param == "tiny":
+        return request.getfixturevalue("tiny_vllm"), request.getfixturevalue("tiny_reference")
+    return request.getfixturevalue("smollm2_vllm"), request.getfixturevalue("smollm2_model")
+
+
+def random_contexts(seed: int, vocab: int, count: int, max_len: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(8)]
+    contexts = []
+    for _ in range(count):
+        fresh = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
+        contexts.append(shared[: rng.randint(0, 8)] + fresh)  # some share a cached prefix
+    return contexts
+
+
+def test_single_context(backend):
+    llm, model = backend
+    context = [1, 2, 3, 4]
+    row = llm.next_token_logprobs_sync(context)
+    assert_matches(llm, model, [context], row[None])
+    assert torch.logsumexp(row, 0).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_batch_split_over_steps(backend):
+    llm, model = backend
+    contexts = random_contexts(seed=1, vocab=llm.vocab_size, count=3 * MAX_NUM_SEQS + 1)
+    rows = llm.batch_next_token_logprobs_sync(contexts)
+    assert_matches(llm, model, contexts, rows)
+
+
+def test_long_prompts_prefilled_in_chunks(backend):
+    llm, model = backend
+    rng = random.Random(2)
+    contexts = [
+        [rng.randrange(llm.vocab_size) for _ in range(length)]
+        for length in (MAX_NUM_BATCHED_TOKENS + 1, 3 * MAX_NUM_BATCHED_TOKENS + 7, 300)
+    ]
+    rows = llm.batch_next_token_logprobs_sync(contexts)
+    assert_matches(llm, model, contexts, rows)
+
+
+async def test_concurrent_requests_are_batched(backend):
+    llm, model = backend
+    contexts = random_contexts(seed=3, vocab=llm.vocab_size, count=12)
+    batches_before = llm.stats.num_batches
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert_matches(llm, model, contexts, torch.stack(rows))
+    assert llm.stats.num_batches - batches_before < len(contexts)
+
+
+async def test_identical_requests_are_computed_once_then_cached(tiny_vllm, tiny_reference):
+    llm = tiny_vllm
+    context = [7, 8, 9, 10, 11]
+    computed_before = llm.stats.num_contexts_computed
+    rows = await asyncio.gather(*(llm.next_token_logprobs(context) for _ in range(5)))
+    assert llm.stats.num_contexts_computed == computed_before + 1
+    hits_before = llm.stats.num_output_cache_hits
+    again = await llm.next_token_logprobs(context)
+    assert llm.stats.num_output_cache_hits == hits_before + 1
+    assert llm.stats.num_contexts_computed == computed_before + 1
+    assert_matches(llm, tiny_reference, [context] * 6, torch.stack([*rows, again]))
+
+
+def test_clear_cache_recomputes_the_same_rows(tiny_vllm, tiny_reference):
+    llm = tiny_vllm
+    contexts = random_contexts(seed=4, vocab=llm.vocab_size, count=5)
+    first = llm.batch_next_token_logprobs_sync(contexts)
+    llm.clear_cache()
+    computed_before = llm.stats.num_contexts_computed
+    second = llm.batch_next_token_logprobs_sync(contexts)
+    assert llm.stats.num_contexts_computed == computed_before + len(contexts)
+    torch.testing.assert_close(second, first, atol=ATOL, rtol=0)
+    assert_matches(llm, tiny_reference, contexts, second)
+
+
+def test_rejects_context_longer_than_the_engine_allows(tiny_vllm):
+    with pytest.raises(ValueError, match="context"):
+        tiny_vllm.next_token_logprobs_sync([1] * (tiny_vllm.max_context_length + 1))
+
+
+def test_rejects_an_engine_not_built_for_capture():
+    class PlainEngine:
+        def collective_rpc(self, method, args=()):
+            raise AttributeError(method)
+
+    with pytest.raises(ValueError, match="not built for log-probability capture"):
+        AsyncVirtualLM(PlainEngine())
+
+
+async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, tiny_reference):
+    llm = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
+    assert_matches(llm, tiny_reference, [[5, 6]], (await llm.next_token_logprobs([5, 6]))[None])
+    await llm.aclose()
+    assert llm.llm_engine is None
+    with pytest.raises(BackendClosedError):
+        await llm.next_token_logprobs([5, 6])
+    await llm.aclose()  # idempotent
+    successor = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
+    try:
+        row = successor.next_token_logprobs_sync([5, 6, 7])
+        assert_matches(successor, tiny_reference, [[5, 6, 7]], row[None])
+    finally:
+        successor.close()
