@@ -202,6 +202,9 @@ def test_gemma3_byte_fallback_pieces(vocab_of):
     assert str_vocab[lone] == "\ufffd"
     space_piece = tokenizer.convert_tokens_to_ids("\u2581the")
     assert byte_vocab[space_piece] == b" the"
+    two_spaces = tokenizer.convert_tokens_to_ids("\u2581\u2581")
+    assert two_spaces in tokenizer.added_tokens_decoder and byte_vocab[two_spaces] == b"  "
+    assert tokenizer.encode("x  y", add_special_tokens=False)[1] == two_spaces
 
 
 def test_gemma3_same_bytes_different_ids_stay_distinct(vocab_of):
