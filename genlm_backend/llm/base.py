@@ -104,7 +104,8 @@ class LMStats:
     num_contexts_computed: int
     """Contexts sent to the model, over all batches."""
     num_output_cache_hits: int
-    """Requests answered from the output cache or joined to an identical request."""
+    """Requests answered from the output cache (identical concurrent requests that share
+    one computation are neither hits nor computed contexts)."""
     num_tokens_requested: int
     """Sum of the lengths of all requested contexts: what an uncached model would run."""
     num_tokens_computed: int
