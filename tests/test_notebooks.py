@@ -1,0 +1,45 @@
+"""Execute the example notebooks (nbclient) and check what they show."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbclient (test extra)")
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def execute(name: str) -> nbformat.NotebookNode:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return notebook
+
+
+def outputs_of(notebook, kind: str) -> list:
+    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", []) if kind in out.get("data", {})]
+
+
+@pytest.mark.slow
+def test_smc_walkthrough_runs_and_plots_weights():
+    notebook = execute("smc_walkthrough.ipynb")
+    assert outputs_of(notebook, "image/png"), "the weights plot is missing"
+    stats = outputs_of(notebook, "text/plain")[-1]["data"]["text/plain"]
+    assert stats.startswith("LMStats(")
+    computed = int(stats.split("num_tokens_computed=")[1].split(",")[0])
+    requested = int(stats.split("num_tokens_requested=")[1].split(",")[0])
+    assert computed < requested / 5  # prefix reuse across steps and resampling
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("dot") is None and os.environ.get("CI") != "true",
+    reason="rendering the trie needs Graphviz's `dot` (apt-get install graphviz); CI installs it",
+)
+def test_trie_notebook_renders_graphviz():
+    notebook = execute("token_character_trie.ipynb")
+    assert outputs_of(notebook, "image/svg+xml"), "the Graphviz picture is missing"
