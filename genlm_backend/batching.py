@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -296,3 +297,74 @@ class AutoBatcher(Generic[K, V]):
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+class LoopBatchers(Generic[K, V]):
+    """One :class:`AutoBatcher` per running event loop, all feeding one worker thread.
+
+    For objects that outlive an event loop (a backend used by several
+    ``asyncio.run`` calls, a notebook's loop and a script's): each loop gets
+    its own batcher on first use, while model work stays serialized on one
+    thread.
+
+    Args:
+        process_batch, batch_size, timeout_s: As for :class:`AutoBatcher`.
+        thread_name: Prefix of the worker thread's name.
+    """
+
+    def __init__(
+        self,
+        process_batch: Callable[[list[K]], Sequence[V]],
+        *,
+        batch_size: int,
+        timeout_s: float,
+        thread_name: str = "genlm-worker",
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        self._process_batch = process_batch
+        self.batch_size = batch_size
+        self.timeout_s = float(timeout_s)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AutoBatcher[K, V]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def current(self) -> AutoBatcher[K, V]:
+        """The running loop's batcher (a new one if it has none or it was closed)."""
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None or batcher.is_closed:
+            batcher = AutoBatcher(
+                self._process_batch,
+                batch_size=self.batch_size,
+                timeout_s=self.timeout_s,
+                executor=self._executor,
+            )
+            self._batchers[loop] = batcher
+        return batcher
+
+    async def reset_current(self) -> None:
+        """Close the running loop's batcher (failing its pending requests); the next request gets a new one."""
+        batcher = self._batchers.pop(asyncio.get_running_loop(), None)
+        if batcher is not None:
+            await batcher.aclose()
+
+    async def aclose(self) -> None:
+        """Close the running loop's batcher and stop the worker thread."""
+        await self.reset_current()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the worker thread; a batch already running finishes in it."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> BatcherStats | None:
+        """The running loop's batcher's stats, ``None`` outside a loop or before its first request."""
+        try:
+            batcher = self._batchers.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return None
+        return None if batcher is None else batcher.stats

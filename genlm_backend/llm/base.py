@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher
+from genlm_backend.batching import AutoBatcher, LoopBatchers
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError, BatcherClosedError
 
@@ -186,9 +184,8 @@ class AsyncLM(ABC):
         self.device = torch.device(device)
         self.output_cache = OutputCache(output_cache_bytes)
         self._compute_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-model")
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AutoBatcher] = (
-            weakref.WeakKeyDictionary()
+        self._batchers: LoopBatchers[RequestKey, torch.Tensor] = LoopBatchers(
+            self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-model"
         )
         self._is_closed = False
         self._num_requests = 0
@@ -297,17 +294,8 @@ class AsyncLM(ABC):
         return nullcontext()
 
     def _batcher(self) -> AutoBatcher:
-        loop = asyncio.get_running_loop()
-        batcher = self._batchers.get(loop)
-        if batcher is None or batcher.is_closed:
-            batcher = AutoBatcher(
-                self._process_batch,
-                batch_size=self.batch_size,
-                timeout_s=self.timeout_s,
-                executor=self._executor,
-            )
-            self._batchers[loop] = batcher
-        return batcher
+        """The running event loop's batcher."""
+        return self._batchers.current()
 
     async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
         """Log-probabilities of the token following ``token_ids``.
@@ -441,9 +429,7 @@ class AsyncLM(ABC):
 
     async def reset_async_queries(self) -> None:
         """Fail every pending request of this event loop and start a fresh batcher."""
-        batcher = self._batchers.pop(asyncio.get_running_loop(), None)
-        if batcher is not None:
-            await batcher.aclose()
+        await self._batchers.reset_current()
 
     async def aclose(self) -> None:
         """Fail pending requests with :class:`BackendClosedError` and release the model.
@@ -451,16 +437,13 @@ class AsyncLM(ABC):
         Later calls raise :class:`BackendClosedError`. Idempotent.
         """
         self._is_closed = True
-        loop = asyncio.get_running_loop()
-        for batcher_loop, batcher in list(self._batchers.items()):
-            if batcher_loop is loop:
-                await batcher.aclose()
+        await self._batchers.reset_current()
         self.close()
 
     def close(self) -> None:
         """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`."""
         self._is_closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._batchers.shutdown()
         with self._compute_lock:
             self.output_cache.clear()
             self._clear_model_caches()
