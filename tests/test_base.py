@@ -427,3 +427,14 @@ async def test_stats_count_requests_batches_and_tokens(llm):
     assert stats.mean_batch_size == pytest.approx(4 / 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.num_requests = 0
+
+
+async def test_stats_of_identical_concurrent_requests(llm):
+    await asyncio.gather(*(llm.next_token_logprobs([9, 9]) for _ in range(3)))
+    stats = llm.stats
+    # One computation shared by three requests: neither cache hits nor extra contexts.
+    assert (stats.num_requests, stats.num_contexts_computed, stats.num_output_cache_hits) == (
+        3,
+        1,
+        0,
+    )
