@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ class AutoBatcher(Generic[K, V]):
         self._pending: dict[K, asyncio.Future] = {}  # insertion order = queue order
         self._queued_at: dict[K, float] = {}
         self._inflight: dict[K, asyncio.Future] = {}
-        self._num_waiters: dict[K, int] = {}
+        self._num_waiters: dict[asyncio.Future, int] = {}  # per computation, not per key
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._is_closed = False
@@ -145,7 +144,7 @@ class AutoBatcher(Generic[K, V]):
             Exception: whatever ``process_batch`` raised for this key's batch.
         """
         future = self._enqueue_nowait(key)
-        self._num_waiters[key] = self._num_waiters.get(key, 0) + 1
+        self._num_waiters[future] = self._num_waiters.get(future, 0) + 1
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -171,12 +170,12 @@ class AutoBatcher(Generic[K, V]):
         return future
 
     def _release_waiter(self, key: K, future: asyncio.Future) -> None:
-        remaining = self._num_waiters[key] - 1
+        remaining = self._num_waiters[future] - 1
         if remaining:
-            self._num_waiters[key] = remaining
+            self._num_waiters[future] = remaining
             return
-        del self._num_waiters[key]
-        # Nobody waits for a key that is still queued: drop it before it costs model work.
+        del self._num_waiters[future]
+        # Nobody waits for a computation that is still queued: drop it before it costs model work.
         if self._pending.get(key) is future and not future.done():
             del self._pending[key]
             del self._queued_at[key]
@@ -328,15 +327,16 @@ class LoopBatchers(Generic[K, V]):
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AutoBatcher[K, V]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._batchers: dict[asyncio.AbstractEventLoop, AutoBatcher[K, V]] = {}
 
     def current(self) -> AutoBatcher[K, V]:
         """The running loop's batcher (a new one if it has none or it was closed)."""
         loop = asyncio.get_running_loop()
         batcher = self._batchers.get(loop)
         if batcher is None or batcher.is_closed:
+            # A batcher holds its loop, so entries of finished loops are dropped here.
+            for old_loop in [old for old in self._batchers if old.is_closed()]:
+                del self._batchers[old_loop]
             batcher = AutoBatcher(
                 self._process_batch,
                 batch_size=self.batch_size,

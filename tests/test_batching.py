@@ -389,3 +389,18 @@ async def test_nothing_left_behind_after_a_mixed_workload(running_recorder):
     assert stats.num_requests == 60
     assert stats.num_cancelled == len(tasks[::7])
     await batcher.aclose()
+
+
+def test_loop_batchers_forget_finished_loops():
+    from genlm_backend.batching import LoopBatchers
+
+    batchers = LoopBatchers(lambda keys: keys, batch_size=4, timeout_s=0.01)
+
+    async def use():
+        return await batchers.current().submit("k")
+
+    for _ in range(3):
+        assert asyncio.run(use()) == "k"
+    # Each finished loop's batcher is dropped when the next loop asks for one.
+    assert len(batchers._batchers) == 1
+    batchers.shutdown()

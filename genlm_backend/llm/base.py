@@ -25,7 +25,7 @@ import torch
 
 from genlm_backend.batching import AutoBatcher, LoopBatchers
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.errors import BackendClosedError, BatcherClosedError
+from genlm_backend.errors import BackendClosedError
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
@@ -326,8 +326,8 @@ class AsyncLM(ABC):
             return row
         try:
             return await self._batcher().submit(key)
-        except BatcherClosedError as exc:
-            # The batcher only knows it was closed; the caller should learn why.
+        except Exception as exc:
+            # Whatever a closing backend made the batch fail with, the caller should learn why.
             if self._is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
             raise
