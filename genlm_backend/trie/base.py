@@ -45,6 +45,7 @@ class TokenCharacterTrie:
         self.num_nodes = self.layout.num_nodes
         self.num_internal_nodes = self.layout.num_internal
         self.token_id_to_leaf = np.arange(self.num_nodes - len(self.decode), self.num_nodes)
+        self._internal_rows = self.layout.node_rows[: self.num_internal_nodes]
         self.parent: np.ndarray = self.layout.parent
         """int64 ``[num_nodes]``: each node's parent, -1 for the root."""
 
@@ -131,13 +132,16 @@ class TokenCharacterTrie:
         return weights_to_numpy(ws, len(self.decode), batched=batched)
 
     def _reduce(self, ws: np.ndarray, op: str) -> np.ndarray:
-        # ws: [B, V] float64; rows: [num_rows, B] so each gather moves contiguous rows
+        # ws: [B, V] float64. rows: [num_rows, B], so every gather moves whole rows.
         combine = _NUMPY_OPS[op]
         rows = np.empty((self.layout.num_rows, ws.shape[0]))
         rows[: len(self.decode)] = ws.T
         for level in self.layout.levels:
             combine(rows[level.left], rows[level.right], out=rows[level.start : level.stop])
-        return np.ascontiguousarray(rows[self.layout.node_rows].T)
+        out = np.empty((ws.shape[0], self.num_nodes))
+        out[:, self.num_internal_nodes :] = ws  # leaves hold their token's weight
+        out[:, : self.num_internal_nodes] = rows[self._internal_rows].T
+        return out
 
     # ------------------------------------------------------------------ display
 
