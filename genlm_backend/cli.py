@@ -1,4 +1,4 @@
-"""The ``genlm-backend`` command: environment report and a next-token demo.
+"""The ``genlm-backend`` command: the constrained-sampling demo, a next-token table, an environment report.
 
 Each subcommand is one ``run_<name>(args) -> int`` function registered in
 :func:`build_parser`; :func:`main` parses and dispatches. ``main`` takes an
@@ -28,19 +28,37 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="report backends, devices, versions and the asset cache")
     info.set_defaults(run=run_info)
 
-    demo = commands.add_parser("demo", help="print the next-token distribution of a prompt")
-    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
-    demo.add_argument("--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)")
+    demo = commands.add_parser(
+        "demo", help="importance sampling under a character-level constraint (the main job)"
+    )
+    demo.add_argument("--prompt", default=None, help="text to continue (default: a poem prompt)")
+    demo.add_argument("--particles", type=_positive_int, default=16, help="particles (default: 16)")
+    demo.add_argument("--chars", type=_positive_int, default=48, help="characters per particle (default: 48)")
     demo.add_argument(
+        "--allowed", default=None, help="characters the continuations may use (default: a-z and space)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_model_arguments(demo)
+    demo.set_defaults(run=run_demo)
+
+    next_token = commands.add_parser("next", help="print the next-token distribution of a prompt")
+    next_token.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    next_token.add_argument("--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)")
+    _add_model_arguments(next_token)
+    next_token.set_defaults(run=run_next)
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--backend", choices=("hf", "vllm", "mock"), default=None,
         help="model backend (default: vllm with CUDA and vLLM installed, else hf)",
     )
-    demo.add_argument(
+    parser.add_argument(
         "--model", default=None,
         help="local transformers folder or .gguf file (default: SmolLM2-135M-Instruct from PyPI)",
     )
-    demo.set_defaults(run=run_demo)
-    return parser
 
 
 def _positive_int(text: str) -> int:
@@ -116,21 +134,81 @@ def _version(module: str) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Importance-sample continuations that use only ``--allowed`` characters; print samples, weights, stats."""
+    from genlm_backend import demo
+    from genlm_backend.llm import load_model_by_name
+    from genlm_backend.trie import AsyncTokenCharacterTrie
+
+    prompt = demo.DEFAULT_PROMPT if args.prompt is None else args.prompt
+    allowed = demo.DEFAULT_ALLOWED if args.allowed is None else args.allowed
+    if not allowed:
+        print("genlm-backend demo: --allowed is empty", file=sys.stderr)
+        return 1
+    llm = load_model_by_name(args.model, backend=args.backend)
+    try:
+        prompt_ids = llm.tokenizer.encode(prompt)
+        if not prompt_ids:
+            print("genlm-backend demo: the prompt encodes to no tokens", file=sys.stderr)
+            return 1
+        trie = AsyncTokenCharacterTrie.from_vocab(llm.byte_vocab, device=llm.device)
+        result = asyncio.run(
+            demo.importance_sample(
+                llm, trie, prompt_ids, num_particles=args.particles, num_chars=args.chars,
+                allowed=allowed, seed=args.seed, progress=not args.no_progress,
+            )
+        )
+        print(f"model: {args.model or _default_model_name()}  backend: {type(llm).__name__}")
+        print(f"prompt: {prompt!r}")
+        print(f"allowed characters: {allowed!r}\n")
+        print(_format_samples(result))
+        print(f"\neffective sample size: {result.effective_sample_size:.2f} of {args.particles}")
+        print(_format_stats(llm.stats))
+    finally:
+        llm.close()
+    return 0
+
+
+def _default_model_name() -> str:
+    from genlm_backend.models import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def _format_samples(result) -> str:
+    lines = [f"{'weight':>8}  sample"]
+    ranked = sorted(zip(result.normalized_weights, result.particles), key=lambda pair: -pair[0])
+    for weight, particle in ranked:
+        lines.append(f"{weight:>8.4f}  {particle.text!r}")
+    return "\n".join(lines)
+
+
+def _format_stats(stats) -> str:
+    return (
+        f"backend: {stats.num_requests} requests in {stats.num_batches} batches "
+        f"(mean batch size {stats.mean_batch_size:.1f}), "
+        f"{stats.num_output_cache_hits} output-cache hits, "
+        f"tokens computed {stats.num_tokens_computed} of {stats.num_tokens_requested} requested"
+    )
+
+
+# ---------------------------------------------------------------- next
+
+
+def run_next(args: argparse.Namespace) -> int:
     """Load a model and print the top-k next tokens of ``--prompt`` with their probabilities."""
     import torch
 
     from genlm_backend.llm import load_model_by_name
-    from genlm_backend.models import DEFAULT_MODEL_NAME
 
     llm = load_model_by_name(args.model, backend=args.backend)
     try:
         token_ids = llm.tokenizer.encode(args.prompt)
         if not token_ids:
-            print("genlm-backend demo: the prompt encodes to no tokens", file=sys.stderr)
+            print("genlm-backend next: the prompt encodes to no tokens", file=sys.stderr)
             return 1
         logprobs = asyncio.run(llm.next_token_logprobs(token_ids))
         probs, tokens = torch.topk(logprobs.exp(), min(args.top_k, llm.vocab_size))
-        model = args.model or DEFAULT_MODEL_NAME
+        model = args.model or _default_model_name()
         print(f"model: {model}  backend: {type(llm).__name__}  prompt tokens: {len(token_ids)}")
         print(f"prompt: {args.prompt!r}")
         print(_format_table(llm.str_vocab, tokens.tolist(), probs.tolist()))

@@ -2,18 +2,23 @@
 
 N particles each write ``num_chars`` characters after a prompt, using only
 characters from an allowed set (by default lowercase letters and space).
-Each particle walks the token-character trie one byte at a time:
 
-* after each complete token it awaits the model's next-token log-probabilities
-  and the trie's per-node log-masses (``weight_logsumexp``), both auto-batched
-  across particles;
-* at trie node ``n`` it may take an allowed byte (child ``c``, log-mass
-  ``m[c]``) or end the current token there (a leaf below ``n``);
-* it picks one option in proportion to its mass and multiplies its weight by
-  ``Z / m[n]``, the share of the model's mass that the constraint keeps.
+Target: the model's distribution over token sequences whose tokens are made
+only of allowed characters, truncated at ``num_chars`` characters. Proposal:
+each particle builds its next token byte by byte on the token-character trie:
 
-The weights make the particles an importance sample of the model's
-distribution over character strings, restricted to the allowed set.
+* after each complete token it awaits the model's next-token log-probabilities,
+  masks the tokens that use a disallowed character, and awaits the trie's
+  per-node log-masses of what is left (``weight_logsumexp``); both awaits are
+  auto-batched across particles;
+* from trie node ``n`` it takes an allowed byte (child ``c``) or ends the token
+  at ``n`` (a leaf), in proportion to the allowed mass below each option, so
+  it never walks into a prefix that no allowed token completes;
+* its log weight grows by the log of the allowed mass at the root: the share
+  of the model's next-token mass the constraint keeps.
+
+A token is thereby drawn from the model's distribution restricted to allowed
+tokens, one character at a time, and the weights correct for the restriction.
 """
 
 from __future__ import annotations
@@ -96,25 +101,26 @@ async def importance_sample(
 
 class _Walker:
     def __init__(self, llm: AsyncLM, trie: AsyncTokenCharacterTrie, allowed: frozenset[int], bar):
-        self.llm, self.trie, self.allowed, self.bar = llm, trie, allowed, bar
+        self.llm, self.trie, self.bar = llm, trie, bar
         self.children = trie.trie.children
         self.root = trie.trie.root
+        self.allowed_tokens = torch.tensor(
+            [len(token) > 0 and set(token) <= allowed for token in llm.byte_vocab], device=llm.device
+        )
 
     async def run(self, context: list[int], num_chars: int, rng: np.random.Generator) -> Particle:
         text, log_weight, node, log_mass = bytearray(), 0.0, self.root, None
         num_prompt = len(context)
         while len(text) < num_chars:
             if log_mass is None:
-                logprobs = await self.llm.next_token_logprobs(context)
-                log_mass = np.asarray(torch.as_tensor(await self.trie.weight_logsumexp(logprobs.cpu())).cpu())
-            options = self._options(node, log_mass)
-            if not options:
-                return Particle(text.decode(errors="replace"), float("-inf"), context[num_prompt:])
-            keys, log_masses = zip(*options)
-            log_z = np.logaddexp.reduce(log_masses)
-            log_weight += float(log_z - log_mass[node])
-            choice = keys[rng.choice(len(keys), p=np.exp(np.array(log_masses) - log_z))]
-            if isinstance(choice, tuple):  # end the token here
+                log_mass = await self._allowed_log_mass(context)
+                log_weight += float(log_mass[self.root])  # the share of mass the constraint keeps
+                if log_mass[self.root] == -np.inf:
+                    break
+            keys, log_masses = self._options(node, log_mass)
+            probs = np.exp(log_masses - log_mass[node])
+            choice = keys[rng.choice(len(keys), p=probs / probs.sum())]
+            if isinstance(choice, tuple):  # end the token here: (None, token_id)
                 context.append(choice[1])
                 node, log_mass = self.root, None
             else:
@@ -123,12 +129,17 @@ class _Walker:
                 self.bar.update(1)
         return Particle(text.decode(errors="replace"), log_weight, context[num_prompt:])
 
-    def _options(self, node: int, log_mass: np.ndarray) -> list[tuple]:
-        options = []
+    async def _allowed_log_mass(self, context: list[int]) -> np.ndarray:
+        """Per trie node: log of the next-token mass of the allowed tokens below it."""
+        logprobs = await self.llm.next_token_logprobs(context)
+        masked = logprobs.masked_fill(~self.allowed_tokens, float("-inf"))
+        return np.asarray(torch.as_tensor(await self.trie.weight_logsumexp(masked)).cpu(), dtype=np.float64)
+
+    def _options(self, node: int, log_mass: np.ndarray) -> tuple[list, np.ndarray]:
+        """Children of ``node`` (bytes, and token ends below the root) with allowed mass."""
+        keys, masses = [], []
         for key, child in self.children[node].items():
-            if isinstance(key, tuple):
-                if node != self.root:
-                    options.append((key, log_mass[child]))
-            elif key in self.allowed:
-                options.append((key, log_mass[child]))
-        return [(key, mass) for key, mass in options if mass > -np.inf]
+            if log_mass[child] > -np.inf and (node != self.root or not isinstance(key, tuple)):
+                keys.append(key)
+                masses.append(log_mass[child])
+        return keys, np.array(masses)

@@ -44,9 +44,9 @@ def test_info_without_vllm(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_demo_prints_the_mock_distribution(capsys, smollm2_tokenizer):
+def test_next_prints_the_mock_distribution(capsys, smollm2_tokenizer):
     prompt = "Once upon a time"
-    assert main(["demo", "--backend", "mock", "--prompt", prompt, "--top-k", "7"]) == 0
+    assert main(["next", "--backend", "mock", "--prompt", prompt, "--top-k", "7"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert [rank for rank, *_ in rows] == list(range(1, 8))
@@ -61,9 +61,9 @@ def test_demo_prints_the_mock_distribution(capsys, smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_demo_with_the_hf_backend_matches_transformers(capsys, smollm2_model, smollm2_tokenizer):
+def test_next_with_the_hf_backend_matches_transformers(capsys, smollm2_model, smollm2_tokenizer):
     prompt = "The capital of France is"
-    assert main(["demo", "--backend", "hf", "--prompt", prompt, "--top-k", "5"]) == 0
+    assert main(["next", "--backend", "hf", "--prompt", prompt, "--top-k", "5"]) == 0
     rows = table_rows(capsys.readouterr().out)
     with torch.no_grad():
         ids = torch.tensor([smollm2_tokenizer.encode(prompt)])
@@ -77,8 +77,9 @@ def test_demo_with_the_hf_backend_matches_transformers(capsys, smollm2_model, sm
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["demo", "--top-k", "0"], "positive integer"),
-        (["demo", "--top-k", "many"], "positive integer"),
+        (["next", "--top-k", "0"], "positive integer"),
+        (["next", "--top-k", "many"], "positive integer"),
+        (["demo", "--particles", "0"], "positive integer"),
         (["demo", "--backend", "tpu"], "invalid choice"),
         ([], "required"),
         (["train"], "invalid choice"),
@@ -107,7 +108,44 @@ def test_installed_command_runs():
 
 
 @pytest.mark.slow
-def test_demo_rejects_a_prompt_without_tokens(capsys, smollm2_tokenizer):
+def test_next_rejects_a_prompt_without_tokens(capsys, smollm2_tokenizer):
     assert smollm2_tokenizer.encode("") == []  # the default model adds no BOS token
-    assert main(["demo", "--backend", "mock", "--prompt", ""]) == 1
+    assert main(["next", "--backend", "mock", "--prompt", ""]) == 1
     assert "no tokens" in capsys.readouterr().err
+
+
+SAMPLE = re.compile(r"^\s*(\d\.\d{4})  '(.*)'$")
+
+
+def demo_samples(stdout: str) -> list[tuple[float, str]]:
+    rows = [SAMPLE.match(line) for line in stdout.splitlines()]
+    return [(float(m[1]), m[2]) for m in rows if m]
+
+
+@pytest.mark.slow
+def test_demo_samples_only_allowed_characters_and_reports_weights(capsys, smollm2_tokenizer):
+    argv = ["demo", "--backend", "mock", "--particles", "6", "--chars", "12",
+            "--allowed", "abc ", "--seed", "3", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    samples = demo_samples(out)
+    assert len(samples) == 6
+    assert all(len(text) == 12 and set(text) <= set("abc ") for _, text in samples)
+    assert abs(sum(weight for weight, _ in samples) - 1) < 6e-4  # printed to 4 decimals
+    ess = float(re.search(r"effective sample size: ([\d.]+) of 6", out)[1])
+    assert 1 <= ess <= 6
+    assert re.search(r"tokens computed \d+ of \d+ requested", out)
+    # Reproducible: the mock model is deterministic and the seed fixes every choice.
+    assert main(argv) == 0
+    assert demo_samples(capsys.readouterr().out) == samples
+
+
+@pytest.mark.slow
+def test_demo_runs_on_the_default_model(capsys):
+    assert main(["demo", "--backend", "hf", "--particles", "4", "--chars", "10", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    samples = demo_samples(out)
+    assert len(samples) == 4
+    assert all(set(text) <= set("abcdefghijklmnopqrstuvwxyz ") for _, text in samples)
+    computed, requested = map(int, re.search(r"tokens computed (\d+) of (\d+) requested", out).groups())
+    assert computed < requested
