@@ -124,11 +124,13 @@ class AsyncVirtualLM(AsyncLM):
     # ------------------------------------------------------------------ AsyncLM hooks
 
     def _compute_logprobs(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        from vllm.inputs.engine import tokens_input
+
         request_ids = [f"genlm-{next(self._request_numbers)}" for _ in contexts]
         try:
             for request_id, context in zip(request_ids, contexts):
                 self.llm_engine.add_request(
-                    request_id, {"prompt_token_ids": list(context)}, _sampling_params(request_id)
+                    request_id, tokens_input(list(context)), _sampling_params(request_id)
                 )
             self._run_until_finished(request_ids)
             logprobs = self._take_logprobs(request_ids)  # [B, V_model] float32
