@@ -1,0 +1,118 @@
+"""Bad input mixed into good batches: each bad call fails alone with its own clear error.
+
+Every case of the input contract (empty, negative id, id past the
+vocabulary, non-integer element, text instead of ids, wrong tensor rank or
+dtype, longer than the model's context) is raised among concurrent good
+calls, in the async, batch and sync entry points. The bad call raises its
+``TypeError``/``ValueError`` naming the problem; the good calls of the same
+``gather`` get exact results (uncached forward, 1e-4); a rejected call
+counts no request and leaves nothing pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_backend.llm.hf import AsyncTransformer
+from tests.stress.helpers import ReferenceChecker, fresh_contexts
+
+pytestmark = pytest.mark.stress
+
+
+def bad_cases(vocab_size: int, max_length: int) -> dict[str, tuple[object, type, str]]:
+    """name -> (input, exception type, a phrase its message must contain)."""
+    return {
+        "empty": ([], ValueError, "empty"),
+        "negative": ([3, -1, 4], ValueError, r"token_ids\[1\] = -1 is outside the vocabulary"),
+        "too large": ([3, vocab_size], ValueError, rf"token_ids\[1\] = {vocab_size} is outside"),
+        "float element": ([3, 2.0], TypeError, r"token_ids\[1\] is 2.0 of type float"),
+        "str element": ([3, "4"], TypeError, "token ids must be ints"),
+        "bool element": ([True, 4], TypeError, r"token_ids\[0\] is True of type bool"),
+        "none element": ([3, None], TypeError, "token ids must be ints"),
+        "text": ("hello", TypeError, "encode text"),
+        "not a sequence": (None, TypeError, "sequence of ints"),
+        "2-D tensor": (torch.ones(2, 2, dtype=torch.long), TypeError, "must be 1-D"),
+        "float tensor": (torch.tensor([1.0, 2.0]), TypeError, "integer dtype"),
+        "float array": (np.array([1.5]), TypeError, "integer dtype"),
+        "too long": ([1] * (max_length + 1), ValueError, "more than the model's context"),
+    }
+
+
+@pytest.fixture(scope="module")
+def shared_llm(llama_copy):
+    model, _, tokenizer = llama_copy
+    llm = AsyncTransformer(model, tokenizer, batch_size=8)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def llm_and_checker(shared_llm, llama_copy):
+    return shared_llm, ReferenceChecker(llama_copy[1], shared_llm.vocab_size)
+
+
+@pytest.mark.timeout(60)
+async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker, stress_figures):
+    llm, checker = llm_and_checker
+    figures = stress_figures("hf tiny-llama")
+    cases = bad_cases(llm.vocab_size, llm.max_context_length)
+    rng = random.Random(0)
+    good = fresh_contexts(rng, llm.vocab_size, 5 * len(cases))
+    calls = [("good", context) for context in good] + [(name, case[0]) for name, case in cases.items()]
+    rng.shuffle(calls)
+    requests_before = llm.stats.num_requests
+    outcomes = await asyncio.gather(
+        *(llm.next_token_logprobs(ids) for _, ids in calls), return_exceptions=True
+    )
+    for (name, ids), outcome in zip(calls, outcomes):
+        if name == "good":
+            checker.add(ids, outcome)
+        else:
+            _, error_type, phrase = cases[name]
+            assert isinstance(outcome, error_type), (name, outcome)
+            assert outcome.__class__ is error_type, (name, outcome)
+            with pytest.raises(error_type, match=phrase):
+                raise outcome
+            figures.failed_as_intended += 1
+    checker.flush()
+    assert llm.stats.num_requests - requests_before == len(good)
+    batcher = llm._batcher()
+    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    figures.served += checker.num_checked
+
+
+@pytest.mark.timeout(60)
+async def test_a_bad_context_rejects_its_batch_call_before_any_work(llm_and_checker, stress_figures):
+    llm, checker = llm_and_checker
+    figures = stress_figures("hf tiny-llama")
+    rng = random.Random(1)
+    for name, (bad, error_type, phrase) in bad_cases(llm.vocab_size, llm.max_context_length).items():
+        batch = fresh_contexts(rng, llm.vocab_size, 3)
+        singles = fresh_contexts(rng, llm.vocab_size, 4)
+        stats_before = llm.stats
+        rejected, *rows = await asyncio.gather(
+            llm.batch_next_token_logprobs([*batch[:2], bad, batch[2]]),
+            *map(llm.next_token_logprobs, singles),
+            return_exceptions=True,
+        )
+        assert isinstance(rejected, error_type), (name, rejected)
+        with pytest.raises(error_type, match=phrase):
+            raise rejected
+        with pytest.raises(error_type, match=phrase):
+            llm.batch_next_token_logprobs_sync([batch[0], bad])
+        with pytest.raises(error_type, match=phrase):
+            llm.next_token_logprobs_sync(bad)
+        figures.failed_as_intended += 3
+        for context, row in zip(singles, rows):
+            checker.add(context, row)
+        # Only the singles were counted and computed: the rejected calls did no work.
+        assert llm.stats.num_requests - stats_before.num_requests == len(singles)
+        assert llm.stats.num_contexts_computed - stats_before.num_contexts_computed == len(singles)
+    checker.add(batch[0], llm.next_token_logprobs_sync(batch[0]))
+    checker.flush()
+    figures.served += checker.num_checked
