@@ -434,10 +434,16 @@ class AsyncLM(ABC):
     async def aclose(self) -> None:
         """Fail pending requests with :class:`BackendClosedError` and release the model.
 
-        Later calls raise :class:`BackendClosedError`. Idempotent.
+        Pending callers fail at once; the model is released once a batch
+        still computing has finished, without blocking the event loop
+        meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
         """
         self._is_closed = True
         await self._batchers.reset_current()
+        # A batch may still be computing in the worker thread (its callers have
+        # already failed): wait for it off the event loop, so those callers and
+        # every other task run meanwhile, then release the model.
+        await asyncio.to_thread(_wait_until_unlocked, self._compute_lock)
         self.close()
 
     def close(self) -> None:
@@ -457,6 +463,11 @@ class AsyncLM(ABC):
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _wait_until_unlocked(lock: threading.Lock) -> None:
+    with lock:  # acquired and released in this thread, even if the awaiting task is cancelled
+        pass
 
 
 def _as_list_of_contexts(token_ids_list) -> list:

@@ -163,8 +163,11 @@ class ForwardGate:
     ``remove()`` (or use as a context manager).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, wait_s: float = WAIT_S):
         self.entered = threading.Event()
+        self.timed_out = False
+        """Whether a held forward gave up waiting for ``release()`` (and raised ``TimeoutError``)."""
+        self._wait_s = wait_s
         self._release = threading.Event()
         self._armed = False
         self._lock = threading.Lock()
@@ -181,16 +184,17 @@ class ForwardGate:
 
     async def wait_entered(self) -> None:
         """Wait (without blocking the loop) until a held forward started."""
-        is_set = await asyncio.to_thread(self.entered.wait, WAIT_S)
-        assert is_set, f"no forward started within {WAIT_S} s"
+        is_set = await asyncio.to_thread(self.entered.wait, self._wait_s)
+        assert is_set, f"no forward started within {self._wait_s} s"
 
     def _hook(self, module, args) -> None:
         with self._lock:
             armed, self._armed = self._armed, False
         if armed:
             self.entered.set()
-            if not self._release.wait(WAIT_S):
-                raise TimeoutError(f"the gated forward was not released within {WAIT_S} s")
+            if not self._release.wait(self._wait_s):
+                self.timed_out = True
+                raise TimeoutError(f"the gated forward was not released within {self._wait_s} s")
 
     def remove(self) -> None:
         self._release.set()
