@@ -3,7 +3,9 @@
 Workload: the SmolLM2 (49,152 tokens) and Qwen3 (151,669 tokens) byte
 vocabularies; a batch of 32 weight rows (seeded log-softmax of N(0, 3^2)
 logits; probabilities for sums, log-probabilities for max and logsumexp); CPU,
-``torch.set_num_threads(2)``. Each operation is warmed up, then timed
+``torch.set_num_threads(2)`` (``--threads``). On a loaded machine, OpenMP
+threads busy-wait at every parallel region and multi-thread timings mostly
+measure that; compare with ``--threads 1`` there. Each operation is warmed up, then timed
 ``--repeats`` times; the table gives the median (and the minimum).
 
 Upstream runs in its own virtualenv (``bash benchmarks/upstream_env.sh``) via a
@@ -29,7 +31,7 @@ from pathlib import Path
 
 UPSTREAM_PYTHON = "/work/venvs/upstream/bin/python"
 BATCH_SIZE = 32
-NUM_THREADS = 2
+DEFAULT_NUM_THREADS = 2
 NUM_WARMUP = 3
 
 
@@ -88,6 +90,9 @@ def bench_ours(vocab: list[bytes], repeats: int) -> dict:
         "batch_weight_sum": timed(lambda: trie.batch_weight_sum(probs), repeats),
         "batch_weight_max": timed(lambda: trie.batch_weight_max(logprobs), repeats),
         "batch_weight_logsumexp": timed(lambda: trie.batch_weight_logsumexp(logprobs), repeats),
+        "batch_weight_sum + .contiguous()": timed(
+            lambda: trie.batch_weight_sum(probs).contiguous(), repeats
+        ),
         "sequential float64 batch_weight_sum": timed(
             lambda: sequential.batch_weight_sum(probs64), max(3, repeats // 4)
         ),
@@ -106,13 +111,13 @@ def prefix_sums(prefix_of: dict[int, bytes], sums, vocab) -> dict:
     return {prefix.hex(): float(sums[n]) for n, prefix in prefix_of.items() if prefix in wanted}
 
 
-def upstream_driver(path: str, repeats: int) -> None:
+def upstream_driver(path: str, repeats: int, num_threads: int) -> None:
     """Runs inside the upstream venv: times genlm-backend 0.3.1's ParallelTokenCharacterTrie."""
     import torch
     from genlm.backend.tokenization import Token
     from genlm.backend.trie import ParallelTokenCharacterTrie
 
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(num_threads)
     vocab = pickle.loads(Path(path).read_bytes())
     tokens = [Token(token_id, byte_string) for token_id, byte_string in enumerate(vocab)]
     start = time.perf_counter()
@@ -131,7 +136,7 @@ def upstream_driver(path: str, repeats: int) -> None:
     print(json.dumps(result))
 
 
-def bench_upstream(vocab: list[bytes], repeats: int) -> dict | None:
+def bench_upstream(vocab: list[bytes], repeats: int, num_threads: int) -> dict | None:
     if not Path(UPSTREAM_PYTHON).exists():
         print(f"# upstream skipped: {UPSTREAM_PYTHON} missing; run bash benchmarks/upstream_env.sh",
               file=sys.stderr)
@@ -141,7 +146,7 @@ def bench_upstream(vocab: list[bytes], repeats: int) -> dict | None:
         file.flush()
         completed = subprocess.run(
             [UPSTREAM_PYTHON, "-W", "ignore", __file__, "--upstream-driver", file.name,
-             "--repeats", str(repeats)],
+             "--repeats", str(repeats), "--threads", str(num_threads)],
             capture_output=True, text=True, check=True,
         )
     return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -155,9 +160,9 @@ def relative_errors(reference: dict, sums: dict) -> float:
     return max(abs(sums[k] - reference[k]) / max(abs(reference[k]), 1e-30) for k in shared)
 
 
-def format_table(results: dict) -> str:
+def format_table(results: dict, num_threads: int) -> str:
     lines = [
-        f"Trie benchmark: batch {BATCH_SIZE}, CPU, {NUM_THREADS} torch threads, "
+        f"Trie benchmark: batch {BATCH_SIZE}, CPU, {num_threads} torch threads, "
         f"{platform.processor() or platform.machine()}; median (min) ms after warm-up.",
         "",
         "| vocabulary | operation | upstream 0.3.1 | ours | speedup |",
@@ -168,7 +173,8 @@ def format_table(results: dict) -> str:
         lines.append(_row(vocab_label, "build (s)", upstream and upstream["build_s"],
                           ours["build_s"], "{:.2f}"))
         for op in ("batch_weight_sum", "batch_weight_max", "batch_weight_logsumexp",
-                   "sequential float64 batch_weight_sum", "sequential float64 batch_weight_max"):
+                   "batch_weight_sum + .contiguous()", "sequential float64 batch_weight_sum",
+                   "sequential float64 batch_weight_max"):
             base = upstream.get(op) if upstream else None
             lines.append(_row(vocab_label, op, base, ours[op], None))
     return "\n".join(lines)
@@ -195,19 +201,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", nargs="+", default=["smollm2", "qwen3"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=DEFAULT_NUM_THREADS,
+                        help="torch intra-op threads, for both tries (default 2)")
     parser.add_argument("--upstream-driver", metavar="VOCAB_PICKLE", help=argparse.SUPPRESS)
     parser.add_argument("--no-upstream", action="store_true", help="time ours only")
     args = parser.parse_args()
     if args.upstream_driver:
-        upstream_driver(args.upstream_driver, args.repeats)
+        upstream_driver(args.upstream_driver, args.repeats, args.threads)
         return
     import torch
 
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(args.threads)
     results = {}
     for name in args.vocab:
         vocab = load_vocab(name)
-        upstream = None if args.no_upstream else bench_upstream(vocab, args.repeats)
+        upstream = None if args.no_upstream else bench_upstream(vocab, args.repeats, args.threads)
         ours = bench_ours(vocab, args.repeats) | {"num_tokens": len(vocab)}
         ours_error = relative_errors(ours["check_float64"], ours["check"])
         print(f"# {name}: float32 sums, largest relative error vs float64 at "
@@ -218,9 +226,9 @@ def main() -> None:
         if ours_error > 1e-5:
             raise RuntimeError(f"float32 sums are off on {name} ({ours_error:.1e})")
         results[name] = (ours, upstream)
-    print(format_table(results))
+    print(format_table(results, args.threads))
     print(f"\nCommand: python benchmarks/bench_trie.py --vocab {' '.join(args.vocab)} "
-          f"--repeats {args.repeats}; torch {torch.__version__}")
+          f"--repeats {args.repeats} --threads {args.threads}; torch {torch.__version__}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ class TokenCharacterTrie:
             object with a ``byte_string`` attribute, e.g. a ``Token``). Tokens
             with identical or empty bytes each get their own leaf.
 
+    Every method returns a fresh array the caller owns. See :mod:`genlm_backend.trie.layout`
+    for how the reductions are computed.
+
     Attributes:
         decode: The vocabulary as ``list[bytes]``.
         root: The root node (the empty prefix), always 0.
@@ -45,7 +48,6 @@ class TokenCharacterTrie:
         self.num_nodes = self.layout.num_nodes
         self.num_internal_nodes = self.layout.num_internal
         self.token_id_to_leaf = np.arange(self.num_nodes - len(self.decode), self.num_nodes)
-        self._internal_rows = self.layout.node_rows[: self.num_internal_nodes]
         self.parent: np.ndarray = self.layout.parent
         """int64 ``[num_nodes]``: each node's parent, -1 for the root."""
 
@@ -96,6 +98,9 @@ class TokenCharacterTrie:
         Returns:
             float64 ``[num_nodes]``.
 
+        Batch results are ``[B, num_nodes]`` transposed views of node-major
+        ``[num_nodes, B]`` arrays (``np.ascontiguousarray`` gives C order).
+
         Raises:
             TypeError, ValueError: invalid ``ws`` (type, dtype, shape, device, NaN).
         """
@@ -138,10 +143,7 @@ class TokenCharacterTrie:
         rows[: len(self.decode)] = ws.T
         for level in self.layout.levels:
             combine(rows[level.left], rows[level.right], out=rows[level.start : level.stop])
-        out = np.empty((ws.shape[0], self.num_nodes))
-        out[:, self.num_internal_nodes :] = ws  # leaves hold their token's weight
-        out[:, : self.num_internal_nodes] = rows[self._internal_rows].T
-        return out
+        return rows[self.layout.node_rows].T  # [B, num_nodes] view of [num_nodes, B]
 
     # ------------------------------------------------------------------ display
 

@@ -9,10 +9,6 @@ import torch
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.weights import weights_to_tensor
 
-# Transposing [num_internal, B] into the [B, num_nodes] result in blocks that stay in
-# cache is ~1.5x faster on CPU than one strided copy (SmolLM2, batch 32, measured).
-_CPU_TRANSPOSE_CHUNK = 8192
-
 _TORCH_OPS: dict[str, Callable] = {
     "sum": torch.add,
     "max": torch.maximum,
@@ -53,7 +49,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             )
             for level in layout.levels
         ]
-        self._internal_rows = torch.from_numpy(layout.node_rows[: layout.num_internal]).to(self.device)
+        self._node_rows = torch.from_numpy(layout.node_rows).to(self.device)
 
     def weight_sum(self, ws) -> torch.Tensor:
         """Sum of the weights of the tokens below each node.
@@ -64,6 +60,10 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
 
         Returns:
             float32 ``[num_nodes]`` on :attr:`device`.
+
+        Batch results are ``[B, num_nodes]`` transposed views of fresh node-major
+        ``[num_nodes, B]`` tensors: row ``b`` has stride ``B``. Skipping the
+        transpose copy saves ~40% on CPU; call ``.contiguous()`` for C order.
 
         Raises:
             TypeError, ValueError: invalid ``ws`` (type, dtype, shape, device, NaN).
@@ -97,16 +97,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def _reduce(self, ws: torch.Tensor, op: str) -> torch.Tensor:
         # ws: [B, V] float32 on device. rows: [num_rows, B], so every gather moves whole rows.
         combine = _TORCH_OPS[op]
-        num_internal = self.num_internal_nodes
         rows = torch.empty(self.layout.num_rows, ws.shape[0], device=self.device)
         rows[: len(self.decode)] = ws.T
         for start, stop, left, right in self._levels:
             combine(rows.index_select(0, left), rows.index_select(0, right), out=rows[start:stop])
-        internal = rows.index_select(0, self._internal_rows)  # [num_internal, B]
-        out = torch.empty(ws.shape[0], self.num_nodes, device=self.device)
-        out[:, num_internal:] = ws  # leaves hold their token's weight
-        chunk = _CPU_TRANSPOSE_CHUNK if self.device.type == "cpu" else num_internal
-        for lo in range(0, num_internal, chunk):
-            hi = min(lo + chunk, num_internal)
-            out[:, lo:hi] = internal[lo:hi].T
-        return out  # [B, num_nodes], contiguous
+        return rows.index_select(0, self._node_rows).T  # [B, num_nodes] view of [num_nodes, B]
