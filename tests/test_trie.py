@@ -40,12 +40,13 @@ def brute_force(members: dict[bytes, np.ndarray], prefixes: list[bytes], ws: np.
         top = w.max()
         maxima.append(top)
         shift = top if np.isfinite(top) else 0.0
-        logsumexps.append(shift + math.log(math.fsum(np.exp(w - shift))) if top > -np.inf else -np.inf)
+        total = math.fsum(np.exp(w - shift))
+        logsumexps.append(shift + math.log(total) if top > -np.inf else -np.inf)
     return np.array(sums), np.array(maxima), np.array(logsumexps)
 
 
 def random_weights(num_tokens: int, seed: int, num_rows: int = 2):
-    """(probabilities, log-probabilities) ``[num_rows, V]``; about 1 in 7 tokens gets probability 0."""
+    """(probabilities, log-probabilities) ``[num_rows, V]``; ~1 in 7 tokens gets probability 0."""
     rng = np.random.default_rng(seed)
     logits = rng.normal(scale=3.0, size=(num_rows, num_tokens))
     logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
@@ -54,7 +55,7 @@ def random_weights(num_tokens: int, seed: int, num_rows: int = 2):
 
 
 def check_against_brute_force(vocab, nodes=None, seed=0, num_rows=2):
-    """Compare both implementations with the reference on ``nodes`` (all internal nodes when None)."""
+    """Compare both implementations with the reference on ``nodes`` (None: every internal node)."""
     sequential = TokenCharacterTrie(vocab)
     parallel = ParallelTokenCharacterTrie(vocab, device="cpu")
     members = token_ids_by_prefix(list(map(bytes, vocab)))
@@ -163,7 +164,10 @@ def test_logsumexp_does_not_underflow_where_exp_would():
         assert lse[trie.prefix_to_node(b"b")] == -2000.0
 
 
-vocabularies = st.lists(st.binary(max_size=4).map(lambda b: bytes(x % 3 + 97 for x in b)), min_size=1, max_size=40)
+# short byte strings over {a, b, c}: many shared prefixes, duplicates and empty tokens
+vocabularies = st.lists(
+    st.binary(max_size=4).map(lambda b: bytes(x % 3 + 97 for x in b)), min_size=1, max_size=40
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

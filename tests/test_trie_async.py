@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from genlm_backend.errors import BatcherClosedError
-from genlm_backend.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from genlm_backend.trie import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
+)
 
 VOCAB = [b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"]
 

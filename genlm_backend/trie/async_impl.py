@@ -1,4 +1,4 @@
-"""AsyncTokenCharacterTrie: concurrent ``await weight_sum(ws)`` calls batched by the shared AutoBatcher."""
+"""AsyncTokenCharacterTrie: concurrent ``await weight_sum(ws)`` calls batched by the AutoBatcher."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ class AsyncTokenCharacterTrie:
         return results
 
     async def aclose(self) -> None:
-        """Fail pending requests of this event loop with :class:`BatcherClosedError`; later calls raise it too.
+        """Fail this loop's pending requests with :class:`BatcherClosedError`, as all later calls.
 
         Idempotent.
         """

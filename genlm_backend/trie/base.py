@@ -122,7 +122,7 @@ class TokenCharacterTrie:
         return self._reduce(self._check(ws, batched=False)[None], "logsumexp")[0]
 
     def batch_weight_sum(self, ws_batch) -> np.ndarray:
-        """:meth:`weight_sum` of each row: ``[B, V]`` array/tensor or a sequence of ``[V]`` -> float64 ``[B, num_nodes]``."""
+        """:meth:`weight_sum` of each row: ``[B, V]`` or a list of ``[V]`` -> ``[B, num_nodes]``."""
         return self._reduce(self._check(ws_batch, batched=True), "sum")
 
     def batch_weight_max(self, ws_batch) -> np.ndarray:
@@ -148,7 +148,7 @@ class TokenCharacterTrie:
     # ------------------------------------------------------------------ display
 
     def visualize(self, ws=None, *, prefix: bytes = b"", max_nodes: int = 100):
-        """A ``graphviz.Digraph`` of the sub-trie below ``prefix`` (breadth-first, at most ``max_nodes``).
+        """A ``graphviz.Digraph`` of the sub-trie below ``prefix`` (breadth-first, capped).
 
         See :func:`genlm_backend.trie.visualize.visualize_trie`.
         """

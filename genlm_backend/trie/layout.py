@@ -71,7 +71,7 @@ class TrieLayout:
 
 
 def as_byte_vocab(decode: Sequence) -> list[bytes]:
-    """The vocabulary as a list of ``bytes``; accepts bytes-like items or objects with ``byte_string``.
+    """The vocabulary as ``list[bytes]``, from bytes-like items or objects with ``byte_string``.
 
     Raises:
         TypeError: ``decode`` is not a sequence, or an item is neither bytes-like

@@ -58,7 +58,9 @@ def weights_to_tensor(ws, num_tokens: int, *, batched: bool, device: torch.devic
             another device, or a NaN entry.
     """
     if batched and _is_sequence_of_vectors(ws):
-        ws = torch.stack([weights_to_tensor(row, num_tokens, batched=False, device=device) for row in ws])
+        ws = torch.stack(
+            [weights_to_tensor(row, num_tokens, batched=False, device=device) for row in ws]
+        )
     if isinstance(ws, np.ndarray):
         if not np.issubdtype(ws.dtype, np.floating):
             raise TypeError(f"weights must have a floating dtype, got {ws.dtype}")
@@ -106,4 +108,4 @@ def _check_shape(shape: tuple[int, ...], num_tokens: int, batched: bool) -> None
 
 def _nan_message(position) -> str:
     where = ", ".join(str(int(i)) for i in position)
-    return f"weights contain NaN (first at index [{where}]); the trie reductions are undefined for NaN"
+    return f"weights contain NaN (first at index [{where}]); trie reductions are undefined for NaN"
