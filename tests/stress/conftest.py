@@ -85,3 +85,21 @@ def gpt2_copy(tiny_gpt2):
     """(model, reference model, tokenizer) for the tiny GPT-2."""
     model, tokenizer = tiny_gpt2
     return copy.deepcopy(model), copy.deepcopy(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tries(gpt2_tokenizer):
+    """(the GPT-2 byte vocabulary, its float64 sequential reference trie)."""
+    from genlm_backend.tokenization import decode_vocab
+    from genlm_backend.trie import TokenCharacterTrie
+
+    vocab, _ = decode_vocab(gpt2_tokenizer)
+    return vocab, TokenCharacterTrie(vocab)
+
+
+@pytest.fixture
+def stress_trie(tries):
+    """A fresh instrumented trie over the GPT-2 vocabulary (see ``trie_helpers.StressTrie``)."""
+    from tests.stress.trie_helpers import StressTrie
+
+    return StressTrie(tries[0])
