@@ -31,6 +31,8 @@ class Figures:
     peak_cache_bytes: int | None = None
     cache_budget_bytes: int | None = None
     wall_s: float | None = None
+    max_error: float | None = None
+    """Largest absolute difference from the reference over the results checked."""
 
 
 @pytest.fixture
@@ -58,16 +60,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("stress figures")
     write(
         "| backend | test | served | cancelled | failed as intended | peak RSS growth MiB "
-        "| RSS budget MiB | peak cache MiB | cache budget MiB | wall s |"
+        "| RSS budget MiB | peak cache MiB | cache budget MiB | max abs error | wall s |"
     )
-    write("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    write("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         wall = "" if row.wall_s is None else f"{row.wall_s:.1f}"
+        error = "" if row.max_error is None else f"{row.max_error:.1e}"
         write(
             f"| {row.backend} | {row.test} | {row.served} | {row.cancelled} | "
             f"{row.failed_as_intended} | {_mib(row.peak_rss_growth_bytes)} | "
             f"{_mib(row.rss_budget_bytes)} | {_mib(row.peak_cache_bytes)} | "
-            f"{_mib(row.cache_budget_bytes)} | {wall} |"
+            f"{_mib(row.cache_budget_bytes)} | {error} | {wall} |"
         )
     totals = [sum(getattr(r, f) for r in rows) for f in ("served", "cancelled", "failed_as_intended")]
     write(f"total: {totals[0]} served, {totals[1]} cancelled, {totals[2]} failed as intended")
