@@ -21,6 +21,7 @@ each row's own positions.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -94,16 +95,19 @@ class HFRunner:
         cache = self._cache_with_pasts(rows, num_past, num_new)
         input_ids, position_ids = self._inputs(rows, num_past, num_new)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=self._mask(rows, num_past, num_new),
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=num_new if num_new > 1 else 1,
-        )
-        # logits: [B, num_new or 1, V_model] -> the last real token of each row
-        logits = output.logits[torch.arange(len(rows), device=self.device), last if num_new > 1 else 0]
+        with _head_sees_only(self.model, last if num_new > 1 else None):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=self._mask(rows, num_past, num_new),
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=num_new if num_new > 1 else 1,
+            )
+        # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
+        logits = output.logits[:, 0] if output.logits.shape[1] == 1 else output.logits[
+            torch.arange(len(rows), device=self.device), last
+        ]
         self.num_tokens_computed += sum(row.num_new for row in rows)
         self._keep(rows, cache, num_past, namespace)
         return self._normalize(logits)
@@ -174,6 +178,33 @@ class HFRunner:
         input_ids = torch.tensor([list(context)], device=self.device)
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
         return self._normalize(logits)[0]
+
+
+@contextmanager
+def _head_sees_only(model, last: torch.Tensor | None):
+    """While active, the output head gets each row's hidden state at ``last[row]`` only.
+
+    Rows end at different new positions, so the model is asked for logits at
+    every new position; without this the head would compute ``[B, K, V]``
+    logits (``B * K * V`` floats, gigabytes for long prompts) to keep ``B`` rows.
+    The hook sits on the head module, so whatever the model does after it
+    (soft-capping, scaling) still applies. ``last=None`` leaves the head alone.
+    """
+    head = model.get_output_embeddings() if last is not None else None
+    if head is None:
+        yield
+        return
+
+    def gather_last(module, args):
+        hidden = args[0]  # [B, K, H] -> [B, 1, H]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return (hidden[rows, last][:, None], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather_last)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _group_copies(rows: list[_Row], device) -> dict:
