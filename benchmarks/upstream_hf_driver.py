@@ -8,10 +8,7 @@ import argparse
 import asyncio
 import json
 import resource
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,19 +19,8 @@ PROMPT = "Write a short story about a fox who learns to read. Once upon a time, 
 
 
 def load(model_dir: str):
-    """Load the transformers-5 folder with transformers 4 (rope settings moved between versions)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    rope = config.pop("rope_parameters", {})
-    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    staging = Path(tempfile.mkdtemp())
-    for path in Path(model_dir).iterdir():
-        if path.name != "config.json":
-            (staging / path.name).symlink_to(path)
-    (staging / "config.json").write_text(json.dumps(config))
-    model = AutoModelForCausalLM.from_pretrained(staging, torch_dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(staging)
-    shutil.rmtree(staging)
-    return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
 
 
 def main():
