@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher
+from genlm_backend.batching import AutoBatcher, LoopBatchers
 from genlm_backend.errors import BatcherClosedError
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
@@ -51,9 +48,8 @@ class AsyncTokenCharacterTrie:
         self.trie = trie
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-trie")
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AutoBatcher] = (
-            weakref.WeakKeyDictionary()
+        self._batchers: LoopBatchers[_TrieRequest, object] = LoopBatchers(
+            self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-trie"
         )
         self._is_closed = False
 
@@ -114,17 +110,8 @@ class AsyncTokenCharacterTrie:
         return await self._batcher().submit(request)
 
     def _batcher(self) -> AutoBatcher:
-        loop = asyncio.get_running_loop()
-        batcher = self._batchers.get(loop)
-        if batcher is None or batcher.is_closed:
-            batcher = AutoBatcher(
-                self._process_batch,
-                batch_size=self.batch_size,
-                timeout_s=self.timeout_s,
-                executor=self._executor,
-            )
-            self._batchers[loop] = batcher
-        return batcher
+        """The running event loop's batcher."""
+        return self._batchers.current()
 
     def _process_batch(self, requests: list[_TrieRequest]) -> list:
         """Worker thread: one ``batch_weight_*`` call per operation present in the batch."""
@@ -144,11 +131,7 @@ class AsyncTokenCharacterTrie:
         Idempotent.
         """
         self._is_closed = True
-        loop = asyncio.get_running_loop()
-        for batcher_loop, batcher in list(self._batchers.items()):
-            if batcher_loop is loop:
-                await batcher.aclose()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self._batchers.aclose()
 
     async def __aenter__(self) -> AsyncTokenCharacterTrie:
         return self
