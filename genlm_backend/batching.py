@@ -307,7 +307,9 @@ class LoopBatchers(Generic[K, V]):
     thread.
 
     Args:
-        process_batch, batch_size, timeout_s: As for :class:`AutoBatcher`.
+        process_batch: As for :class:`AutoBatcher`.
+        batch_size: As for :class:`AutoBatcher`.
+        timeout_s: As for :class:`AutoBatcher`.
         thread_name: Prefix of the worker thread's name.
     """
 

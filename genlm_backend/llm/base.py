@@ -149,8 +149,8 @@ class AsyncLM(ABC):
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
-        byte_vocab, str_vocab: Precomputed vocabularies; decoded from
-            ``tokenizer`` when omitted.
+        byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.
+        str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
     """
 
     def __init__(
