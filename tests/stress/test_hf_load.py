@@ -20,7 +20,7 @@ import time
 import pytest
 
 from genlm_backend.llm.hf import AsyncTransformer
-from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, live_tensor_bytes, rss_bytes
+from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, live_tensor_bytes, resting_rss_bytes
 
 pytestmark = pytest.mark.stress
 
@@ -83,7 +83,7 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(lla
     checker.flush()
     llm.clear_cache()
     particles = Particles(llm, checker, seed=0)
-    baseline, tensors_baseline = rss_bytes(), live_tensor_bytes()
+    baseline, tensors_baseline = resting_rss_bytes(), live_tensor_bytes()
     start = time.perf_counter()
     peaks, retained = [], []
     with (

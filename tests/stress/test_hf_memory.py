@@ -14,7 +14,7 @@ import random
 import pytest
 
 from genlm_backend.llm.hf import AsyncTransformer
-from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, fresh_contexts, rss_bytes
+from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, fresh_contexts, resting_rss_bytes
 
 pytestmark = pytest.mark.stress
 
@@ -32,7 +32,7 @@ def test_a_batch_of_long_prompts_keeps_logits_of_last_tokens_only(llama_copy, st
     llm.next_token_logprobs_sync([1, 2, 3])  # warm-up
     rng = random.Random(0)
     contexts = fresh_contexts(rng, llm.vocab_size, NUM_CONTEXTS, lengths=(CONTEXT_LENGTH, CONTEXT_LENGTH))
-    start = rss_bytes()
+    start = resting_rss_bytes()  # freed memory of earlier tests handed back first
     with PeakSampler() as rss:
         rows = llm.batch_next_token_logprobs_sync(contexts)
     growth = rss.peak - start

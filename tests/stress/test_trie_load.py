@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from genlm_backend.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie
-from tests.stress.helpers import PeakSampler, live_tensor_bytes, rss_bytes
+from tests.stress.helpers import PeakSampler, live_tensor_bytes, resting_rss_bytes
 from tests.stress.trie_helpers import OPS, check, weights
 
 pytestmark = pytest.mark.stress
@@ -59,8 +59,8 @@ async def test_two_thousand_particle_calls_match_the_sequential_trie(tries, stre
         await asyncio.gather(*(getattr(async_trie, f"weight_{op}")(torch.ones(len(vocab))) for _ in range(64)))
     baseline = live_tensor_bytes()
     start = time.perf_counter()
+    start_rss = resting_rss_bytes()
     with PeakSampler() as rss:
-        start_rss = rss_bytes()
         await asyncio.gather(*(particle(i) for i in range(NUM_PARTICLES)))
     check_held()
     figures.wall_s = time.perf_counter() - start
