@@ -102,6 +102,8 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(lla
     assert kv_peak.peak <= KV_BUDGET_BYTES and output_peak.peak <= OUTPUT_BUDGET_BYTES
     assert llm.kv_cache.stats.num_evictions > 0 and llm.output_cache.stats.num_evictions > 0
     stats = llm.stats
+    assert stats.kv_cache_bytes == llm.kv_cache.bytes_held <= KV_BUDGET_BYTES
+    assert stats.output_cache_bytes <= OUTPUT_BUDGET_BYTES
     assert stats.num_tokens_computed < stats.num_tokens_requested  # prefixes were reused
     assert max(peaks) <= RSS_BUDGET_BYTES, f"RSS grew {max(peaks) / MIB:.0f} MiB"
     for tensors in retained:
