@@ -16,6 +16,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import psutil
 import torch
 
@@ -260,6 +261,25 @@ def fresh_contexts(rng: random.Random, vocab_size: int, count: int, lengths=(4, 
         length = rng.randint(*lengths)
         contexts[tuple(rng.randrange(vocab_size) for _ in range(length))] = None
     return list(contexts)
+
+
+def bad_cases(vocab_size: int, max_length: int) -> dict[str, tuple[object, type, str]]:
+    """Every case of the input contract: name -> (input, exception type, a phrase of its message)."""
+    return {
+        "empty": ([], ValueError, "empty"),
+        "negative": ([3, -1, 4], ValueError, r"token_ids\[1\] = -1 is outside the vocabulary"),
+        "too large": ([3, vocab_size], ValueError, rf"token_ids\[1\] = {vocab_size} is outside"),
+        "float element": ([3, 2.0], TypeError, r"token_ids\[1\] is 2.0 of type float"),
+        "str element": ([3, "4"], TypeError, "token ids must be ints"),
+        "bool element": ([True, 4], TypeError, r"token_ids\[0\] is True of type bool"),
+        "none element": ([3, None], TypeError, "token ids must be ints"),
+        "text": ("hello", TypeError, "encode text"),
+        "not a sequence": (None, TypeError, "sequence of ints"),
+        "2-D tensor": (torch.ones(2, 2, dtype=torch.long), TypeError, "must be 1-D"),
+        "float tensor": (torch.tensor([1.0, 2.0]), TypeError, "integer dtype"),
+        "float array": (np.array([1.5]), TypeError, "integer dtype"),
+        "too long": ([1] * (max_length + 1), ValueError, "more than the model's context"),
+    }
 
 
 async def settle(tasks: Iterable[asyncio.Task]) -> list:

@@ -14,33 +14,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-import numpy as np
 import pytest
-import torch
 
 from genlm_backend.llm.hf import AsyncTransformer
-from tests.stress.helpers import ReferenceChecker, fresh_contexts
+from tests.stress.helpers import ReferenceChecker, bad_cases, fresh_contexts
 
 pytestmark = pytest.mark.stress
-
-
-def bad_cases(vocab_size: int, max_length: int) -> dict[str, tuple[object, type, str]]:
-    """name -> (input, exception type, a phrase its message must contain)."""
-    return {
-        "empty": ([], ValueError, "empty"),
-        "negative": ([3, -1, 4], ValueError, r"token_ids\[1\] = -1 is outside the vocabulary"),
-        "too large": ([3, vocab_size], ValueError, rf"token_ids\[1\] = {vocab_size} is outside"),
-        "float element": ([3, 2.0], TypeError, r"token_ids\[1\] is 2.0 of type float"),
-        "str element": ([3, "4"], TypeError, "token ids must be ints"),
-        "bool element": ([True, 4], TypeError, r"token_ids\[0\] is True of type bool"),
-        "none element": ([3, None], TypeError, "token ids must be ints"),
-        "text": ("hello", TypeError, "encode text"),
-        "not a sequence": (None, TypeError, "sequence of ints"),
-        "2-D tensor": (torch.ones(2, 2, dtype=torch.long), TypeError, "must be 1-D"),
-        "float tensor": (torch.tensor([1.0, 2.0]), TypeError, "integer dtype"),
-        "float array": (np.array([1.5]), TypeError, "integer dtype"),
-        "too long": ([1] * (max_length + 1), ValueError, "more than the model's context"),
-    }
 
 
 @pytest.fixture(scope="module")

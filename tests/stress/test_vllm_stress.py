@@ -33,11 +33,11 @@ from tests.conftest import build_tiny_gpt2  # noqa: E402
 from tests.stress.helpers import (  # noqa: E402
     WAIT_S,
     ReferenceChecker,
+    bad_cases,
     fresh_contexts,
     out_of_memory_error,
     settle,
 )
-from tests.stress.test_hf_bad_input import bad_cases  # noqa: E402
 
 pytestmark = [pytest.mark.stress, pytest.mark.vllm]
 
