@@ -231,3 +231,31 @@ async def test_smollm2_particles_match_uncached_forward(smollm2_model, smollm2_t
         # resample (siblings share prefixes) then extend
         particles = [list(rng.choice(particles)) + [rng.randrange(49152)] for _ in particles]
     assert llm.stats.num_tokens_computed < llm.stats.num_tokens_requested
+
+
+def test_a_batch_whose_second_pass_fails_leaves_nothing_in_the_kv_tree(tiny_llama):
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    llm.next_token_logprobs_sync([1, 2, 3])
+    entries_before = llm.kv_cache.stats.num_entries
+    calls = {"n": 0}
+    original = model.forward
+
+    def fail_on_second_pass(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+
+    model.forward = fail_on_second_pass
+    try:
+        # [1, 2, 3, 4] extends by one token (first pass), [7, 8, 9] is new (second pass).
+        with pytest.raises(RuntimeError, match="injected failure"):
+            llm.batch_next_token_logprobs_sync([[1, 2, 3, 4], [7, 8, 9]])
+    finally:
+        del model.forward
+    assert calls["n"] == 2
+    assert llm.kv_cache.stats.num_entries == entries_before
+    assert llm.kv_cache.longest_prefix([1, 2, 3, 4, 5])[1] == 3
+    result = llm.next_token_logprobs_sync([1, 2, 3, 4])
+    assert_matches_reference(llm, [1, 2, 3, 4], result)

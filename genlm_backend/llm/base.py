@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, LoopBatchers
+from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 
@@ -228,6 +228,11 @@ class AsyncLM(ABC):
     def vocab_size(self) -> int:
         """``len(byte_vocab)``: the length of every returned row."""
         return len(self.byte_vocab)
+
+    @property
+    def batcher_stats(self) -> BatcherStats | None:
+        """The running event loop's batcher counters (``None`` outside a loop or before its first request)."""
+        return self._batchers.stats()
 
     @property
     def stats(self) -> LMStats:

@@ -76,12 +76,18 @@ class HFRunner:
         out = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
         # Rows extending a cached context by one token (the SMC step) go together;
         # longer computations are batched apart so they do not pad the short ones.
+        computed = []
         for group in (
             [row for row in rows if row.num_new == 1],
             [row for row in rows if row.num_new > 1],
         ):
             if group:
-                out[[row.index for row in group]] = self._forward(group, namespace)
+                logprobs, cache, num_past = self._forward(group)
+                out[[row.index for row in group]] = logprobs
+                computed.append((group, cache, num_past))
+        # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
+        for group, cache, num_past in computed:
+            self._keep(group, cache, num_past, namespace)
         return out
 
     def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> _Row:
@@ -89,7 +95,7 @@ class HFRunner:
         reused = min(shared, len(context) - 1)  # the last token must run to give logits
         return _Row(index, context, entry if reused > 0 else None, reused)
 
-    def _forward(self, rows: list[_Row], namespace: Hashable) -> torch.Tensor:
+    def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, StaticCache, int]:
         num_past = max(row.reused for row in rows)
         num_new = max(row.num_new for row in rows)
         cache = self._cache_with_pasts(rows, num_past, num_new)
@@ -109,8 +115,7 @@ class HFRunner:
             torch.arange(len(rows), device=self.device), last
         ]
         self.num_tokens_computed += sum(row.num_new for row in rows)
-        self._keep(rows, cache, num_past, namespace)
-        return self._normalize(logits)
+        return self._normalize(logits), cache, num_past
 
     def _cache_with_pasts(self, rows: list[_Row], num_past: int, num_new: int) -> StaticCache:
         """A StaticCache of ``num_past + num_new`` slots with each row's past right-aligned at ``num_past``."""

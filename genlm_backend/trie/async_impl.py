@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, LoopBatchers
+from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers
 from genlm_backend.errors import BatcherClosedError
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
@@ -79,6 +79,11 @@ class AsyncTokenCharacterTrie:
         return cls(trie, batch_size=batch_size, timeout_s=timeout_s)
 
     @property
+    def batcher_stats(self) -> BatcherStats | None:
+        """The running event loop's batcher counters (``None`` outside a loop or before its first request)."""
+        return self._batchers.stats()
+
+    @property
     def is_closed(self) -> bool:
         return self._is_closed
 
@@ -122,7 +127,7 @@ class AsyncTokenCharacterTrie:
             stack = torch.stack if isinstance(rows[0], torch.Tensor) else np.stack
             values = self.trie._reduce(stack(rows), op)
             for i, row in zip(positions, values):
-                results[i] = row
+                results[i] = row.clone() if isinstance(row, torch.Tensor) else row.copy()  # own memory, contiguous
         return results
 
     async def aclose(self) -> None:

@@ -59,7 +59,7 @@ def choose_cancellations(rng: random.Random, num_computing: int) -> tuple[set[in
 
 async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int]:
     """One round; returns (calls served, calls cancelled)."""
-    vocab, batcher = llm.vocab_size, llm._batcher()
+    vocab = llm.vocab_size
     computing = fresh_contexts(rng, vocab, BATCH_SIZE)
     queued = queued_contexts(rng, vocab, computing, history)
     cancel_computing, cancel_before, cancel_queued = choose_cancellations(rng, len(computing))
@@ -79,8 +79,8 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
 
     live_queued = {c for i, c in enumerate(queued) if i not in cancel_before | cancel_queued}
     waiting = live_queued - set(computing)
-    assert batcher.stats.num_inflight == BATCH_SIZE
-    assert batcher.stats.num_pending == len(waiting)
+    assert llm.batcher_stats.num_inflight == BATCH_SIZE
+    assert llm.batcher_stats.num_pending == len(waiting)
     gate.release()
     outcomes = await settle(computing_tasks + queued_tasks)
 
@@ -96,7 +96,7 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
     assert llm.stats.num_contexts_computed - computed_before == BATCH_SIZE + len(waiting)
     started = len(computing) + len(queued) - len(cancel_before)
     assert llm.stats.num_requests - requests_before == started
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    assert llm.batcher_stats.num_pending == 0 and llm.batcher_stats.num_inflight == 0
     history.extend(computing + sorted(live_queued))
     return len(outcomes) - len(cancelled_ids), len(cancelled_ids)
 
@@ -152,7 +152,6 @@ async def test_cancelling_every_caller_of_a_computing_batch_leaves_the_backend_s
         checker.add(context, row)
     checker.flush()
     figures.served += checker.num_checked
-    batcher = llm._batcher()
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    assert llm.batcher_stats.num_pending == 0 and llm.batcher_stats.num_inflight == 0
     assert llm.stats.num_contexts_computed == len(contexts) + 1
     await llm.aclose()

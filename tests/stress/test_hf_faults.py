@@ -87,7 +87,7 @@ async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entr
     kv_after = llm.kv_cache.stats
     assert kv_after.num_blocks - kv_before.num_blocks == 2  # one block per successful forward
     assert kv_after.num_entries - kv_before.num_entries == 16
-    assert llm._batcher().stats.num_failed_batches == 2
+    assert llm.batcher_stats.num_failed_batches == 2
 
     for context, row in zip(contexts, await asyncio.gather(*map(llm.next_token_logprobs, contexts))):
         checker.add(context, row)  # the failed ones are recomputed, the others served from cache
@@ -123,8 +123,7 @@ async def test_random_faults_under_particle_load(faulty_llm, stress_figures):
         checker.add(context, row)
     checker.flush()
     figures.served = checker.num_checked
-    batcher = llm._batcher()
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    assert llm.batcher_stats.num_pending == 0 and llm.batcher_stats.num_inflight == 0
 
 
 @pytest.mark.timeout(60)

@@ -65,7 +65,7 @@ async def test_two_thousand_particle_calls_match_the_sequential_trie(tries, stre
     check_held()
     figures.wall_s = time.perf_counter() - start
     assert figures.served == NUM_PARTICLES * NUM_STEPS
-    stats = async_trie._batcher().stats
+    stats = async_trie.batcher_stats
     assert stats.num_pending == stats.num_inflight == 0 and stats.mean_batch_size > 10
     last.clear()
     for _ in range(2):  # the loop drops its last finished futures (and their results) on its next passes

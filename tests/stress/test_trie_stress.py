@@ -52,7 +52,7 @@ async def test_random_fifth_cancelled_at_every_stage(stress_trie, tries, stress_
         for task in later:
             task.cancel()
         await asyncio.wait(later)
-        stats = async_trie._batcher().stats
+        stats = async_trie.batcher_stats
         assert stats.num_inflight == 16 and stats.num_pending == 64 - len(cancelled - set(range(16)))
         stress_trie.release.set()
         outcomes = await settle(tasks)
@@ -63,7 +63,7 @@ async def test_random_fifth_cancelled_at_every_stage(stress_trie, tries, stress_
         assert computed == sorted({number - 80 + i for i in live} | set(range(number - 80, number - 64)))
         figures.served += len(live)
         figures.cancelled += len(cancelled)
-    stats = async_trie._batcher().stats
+    stats = async_trie.batcher_stats
     assert stats.num_pending == stats.num_inflight == 0
     await async_trie.aclose()
 

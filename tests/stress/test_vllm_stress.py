@@ -124,7 +124,7 @@ async def test_particle_load_is_exact(vllm_setup, checker, stress_figures):
     figures.served, figures.max_error = checker.num_checked, checker.max_error
     assert figures.served == NUM_PARTICLES * NUM_STEPS
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm._batcher().stats.num_pending == llm._batcher().stats.num_inflight == 0
+    assert llm.batcher_stats.num_pending == llm.batcher_stats.num_inflight == 0
 
 
 @pytest.mark.timeout(60)
@@ -149,7 +149,7 @@ async def test_random_fifth_cancelled_at_every_stage(vllm_setup, checker, stress
         task.cancel()
     await asyncio.wait(later)
     live_queued = {calls[i] for i in range(16, 80) if i not in cancelled}
-    assert llm._batcher().stats.num_pending == len(live_queued - set(calls[:16]))
+    assert llm.batcher_stats.num_pending == len(live_queued - set(calls[:16]))
     llm.release.set()
     outcomes = await settle(tasks)
     for i, (context, outcome) in enumerate(zip(calls, outcomes)):
