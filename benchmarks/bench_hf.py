@@ -2,7 +2,9 @@
 
 Workload: N particles each sample S tokens, one ``await next_token_logprobs``
 per step, from a shared 25-token prompt, SmolLM2-135M-Instruct fp32 on CPU
-(2 threads). Each variant runs in its own process (clean peak RSS):
+(2 threads). Every variant samples by inverting the CDF
+(``genlm_backend.llm.base.sample_token``; the floor does it batched). Each
+variant runs in its own process (clean peak RSS):
 
 * ``floor``: a plain batched decode loop with a transformers DynamicCache
   (one forward of N tokens per step): the cost of the model alone.
@@ -83,8 +85,10 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
         cache = DynamicCache(config=model.config)
         logits = model(torch.tensor([prompt] * particles), past_key_values=cache, use_cache=True).logits[:, -1]
         for _ in range(steps):
-            probs = torch.softmax(torch.log_softmax(logits.float(), -1), -1)
-            tokens = torch.multinomial(probs, 1, generator=generator)
+            # the batched form of genlm_backend.llm.base.sample_token (inverse CDF)
+            cdf = torch.softmax(torch.log_softmax(logits.float(), -1).double(), -1).cumsum_(-1)
+            u = torch.rand(particles, 1, dtype=torch.float64, generator=generator) * cdf[:, -1:]
+            tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
             logits = model(tokens, past_key_values=cache, use_cache=True).logits[:, -1]
         return time.perf_counter() - start
 
@@ -95,6 +99,7 @@ def _run_ours(particles: int, steps: int, model_dir: str):
 
     import torch
 
+    from genlm_backend.llm.base import sample_token
     from genlm_backend.llm.hf import AsyncTransformer
 
     model, tokenizer = _load(model_dir)
@@ -107,7 +112,7 @@ def _run_ours(particles: int, steps: int, model_dir: str):
         context = list(prompt)
         for _ in range(steps):
             logprobs = await llm.next_token_logprobs(context)
-            context.append(int(torch.multinomial(logprobs.exp(), 1, generator=generator)))
+            context.append(sample_token(logprobs, generator))
 
     async def main():
         await asyncio.gather(*(particle(seed) for seed in range(particles)))
@@ -133,6 +138,24 @@ def spawn(variant: str, particles: int, steps: int, model_dir: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str) -> list[dict]:
+    """Run every variant ``repeats`` times, interleaved (each run a fresh process); keep each variant's median run."""
+    runs = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v in variants:
+            runs[v].append(spawn(v, particles, steps, model_dir))
+    results = []
+    for v, variant_runs in runs.items():
+        good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
+        if not good:
+            results.append(variant_runs[0])
+            continue
+        median = good[len(good) // 2] | {"all_seconds": [round(r["seconds"], 3) for r in good]}
+        median["peak_rss_mb"] = max(r["peak_rss_mb"] for r in good)
+        results.append(median)
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS")
@@ -141,6 +164,7 @@ def main(argv=None) -> None:
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; the median is reported")
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
     args = parser.parse_args(argv)
     if args.child:
@@ -152,22 +176,24 @@ def main(argv=None) -> None:
     model_dir = str(default_model_dir())
     results = []
     print(f"# bench_hf: SmolLM2-135M fp32, 2 threads, {platform.processor() or platform.machine()}")
-    print("| particles x steps | variant | seconds | vs floor | peak RSS (MB) | mean batch | tokens computed / requested |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"median of {args.repeats} runs per variant, each in a fresh process")
+    print("| particles x steps | variant | seconds (median) | vs floor | all runs (s) | peak RSS (MB) | mean batch | tokens computed / requested |")
+    print("|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
         particles, steps = map(int, workload.split("x"))
-        rows = [spawn(v, particles, steps, model_dir) | {"workload": workload} for v in args.variants]
+        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir)]
         floor = next((r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None)
         for r in rows:
             results.append(r)
             if "error" in r:
-                print(f"| {workload} | {r['variant']} | error: {r['error'].strip().splitlines()[-1][:80]} | | | | |")
+                print(f"| {workload} | {r['variant']} | error: {r['error'].strip().splitlines()[-1][:80]} | | | | | |")
                 continue
             ratio = f"{r['seconds'] / floor:.2f}x" if floor else "-"
             stats = r.get("stats")
             batch = f"{stats['mean_batch_size']:.1f}" if stats else "-"
             tokens = f"{stats['num_tokens_computed']} / {stats['num_tokens_requested']}" if stats else "-"
-            print(f"| {workload} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} | {batch} | {tokens} |", flush=True)
+            runs = ", ".join(f"{x:.2f}" for x in r.get("all_seconds", [r["seconds"]]))
+            print(f"| {workload} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {runs} | {r['peak_rss_mb']:.0f} | {batch} | {tokens} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

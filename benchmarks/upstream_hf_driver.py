@@ -18,6 +18,13 @@ from genlm.backend.llm import AsyncTransformer
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 
 
+def sample_token(logits, generator):
+    """The same inverse-CDF draw as genlm_backend.llm.base.sample_token."""
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum_(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1))
+
+
 def load(model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
@@ -43,7 +50,7 @@ def main():
         context = list(prompt)
         for _ in range(args.steps):
             logprobs = await llm.next_token_logprobs(context)
-            context.append(int(torch.multinomial(logprobs.exp(), 1, generator=generator)))
+            context.append(sample_token(logprobs, generator))
 
     async def run():
         await asyncio.gather(*(particle(seed) for seed in range(args.particles)))

@@ -328,7 +328,12 @@ class LoopBatchers(Generic[K, V]):
         self._process_batch = process_batch
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        # The worker runs torch with the intra-op thread count in force when this
+        # object was made, whatever the threads that submit work use.
+        num_threads = _torch_num_threads()
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=thread_name, initializer=_set_torch_num_threads, initargs=(num_threads,)
+        )
         self._batchers: dict[asyncio.AbstractEventLoop, AutoBatcher[K, V]] = {}
 
     def current(self) -> AutoBatcher[K, V]:
@@ -370,3 +375,17 @@ class LoopBatchers(Generic[K, V]):
         except RuntimeError:
             return None
         return None if batcher is None else batcher.stats
+
+
+def _torch_num_threads() -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
+
+
+def _set_torch_num_threads(num_threads: int | None) -> None:
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)

@@ -438,3 +438,16 @@ async def test_stats_of_identical_concurrent_requests(llm):
         1,
         0,
     )
+
+
+def test_sample_token_follows_the_distribution_and_skips_impossible_tokens():
+    from genlm_backend.llm.base import sample_token
+
+    logits = torch.tensor([0.0, float("-inf"), 1.0, 2.0, float("-inf")])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample_token(logits, generator) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=5).double()
+    expected = torch.softmax(logits.double(), 0) * len(draws)
+    assert counts[1] == 0 and counts[4] == 0
+    # within 5 standard errors of each expected count
+    assert torch.all((counts - expected).abs() <= 5 * expected.mul(1 - expected / len(draws)).sqrt() + 1e-9)

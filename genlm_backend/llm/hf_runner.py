@@ -122,20 +122,27 @@ class HFRunner:
         config = self.model.config
         cache = StaticCache(config=config, max_cache_len=num_past + num_new)
         num_kv_heads, head_dim = _kv_shape(config)
+        shape = (len(rows), num_kv_heads, num_past + num_new, head_dim)
         self.kv_tree.reserve(
             _block_nbytes(cache, len(rows), num_kv_heads, num_past + num_new, head_dim, self.model.dtype),
             pinned=[row.entry for row in rows if row.entry is not None],
         )
-        empty = torch.empty(len(rows), num_kv_heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
         copies = _group_copies(rows, self.device)
+        unwritten = [(i, num_past - row.reused) for i, row in enumerate(rows) if row.reused < num_past]
         for layer_index, layer in enumerate(cache.layers):
-            layer.lazy_initialization(empty, empty)
-            for (block, start, reused), (source_rows, target_rows) in copies.items():
-                keys, values = block.layers[layer_index]
-                target = slice(num_past - reused, num_past)
-                layer.keys[target_rows, :, target] = keys[source_rows, :, start : start + reused]
-                layer.values[target_rows, :, target] = values[source_rows, :, start : start + reused]
-            layer.cumulative_length.fill_(num_past)
+            # Every slot is written below or by the forward pass itself; only the
+            # left padding is zeroed (masked, but it must not hold NaN bit patterns).
+            keys = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+            values = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+            for (block, start, reused), (sources, targets) in copies.items():
+                block_keys, block_values = block.layers[layer_index]
+                past = slice(num_past - reused, num_past)
+                _copy_rows(keys, targets, past, block_keys, sources, slice(start, start + reused))
+                _copy_rows(values, targets, past, block_values, sources, slice(start, start + reused))
+            for i, num_padding in unwritten:
+                keys[i, :, :num_padding] = 0
+                values[i, :, :num_padding] = 0
+            _adopt(layer, keys, values, num_past)
         return cache
 
     def _inputs(self, rows: list[_Row], num_past: int, num_new: int):
@@ -226,9 +233,38 @@ def _group_copies(rows: list[_Row], device) -> dict:
             sources.append(row.entry.row)
             targets.append(i)
     return {
-        key: (torch.tensor(sources, device=device), torch.tensor(targets, device=device))
+        key: (_as_index(sources, device), _as_index(targets, device))
         for key, (sources, targets) in groups.items()
     }
+
+
+def _as_index(rows: list[int], device) -> slice | torch.Tensor:
+    """A slice for consecutive rows (a plain strided copy), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+def _copy_rows(target, target_rows, target_slots: slice, source, source_rows, source_slots: slice) -> None:
+    """``target[target_rows, :, target_slots] = source[source_rows, :, source_slots]`` without temporaries where possible."""
+    if isinstance(target_rows, slice) and isinstance(source_rows, slice):
+        target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
+    else:
+        target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
+
+
+def _adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> None:
+    """Make a StaticCache layer use ``keys``/``values`` (``[B, H, T, D]``), ``num_filled`` slots already written.
+
+    Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
+    allocation: the runner writes or zeroes every slot itself.
+    """
+    layer.dtype, layer.device = keys.dtype, keys.device
+    layer.batch_size, layer.num_heads = keys.shape[:2]
+    layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+    layer.keys, layer.values = keys, values
+    layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
+    layer.is_initialized = True
 
 
 def _kv_shape(config) -> tuple[int, int]:
