@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every benchmark, one after the other, on an otherwise idle machine; each
+# table goes to benchmarks/results/<name>.md (pasted into BENCHMARKS.md).
+#   bash benchmarks/run_all.sh            # about 45 minutes on 2 CPU cores
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=benchmarks/results
+mkdir -p "$out"
+bash benchmarks/upstream_env.sh >/dev/null
+
+python benchmarks/bench_hf.py --workloads 16x32 --repeats 5 | tee "$out/hf_16x32.md"
+python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ours upstream+cache_kv | tee "$out/hf_64x128.md"
+python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --repeats 1 \
+    --variants floor ours upstream+cache_kv --json "$out/hf_sweep.json" | tee "$out/hf_sweep.md"
+python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particles.png
+python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/trie_2threads.md"
+python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
+python benchmarks/bench_vocab.py | tee "$out/vocab.md"
+python benchmarks/bench_vllm.py | tee "$out/vllm.md"
+python -m pytest tests/stress -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/stress.md"
