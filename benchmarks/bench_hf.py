@@ -145,7 +145,7 @@ def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: 
         for v in variants:
             runs[v].append(spawn(v, particles, steps, model_dir))
     results = []
-    for v, variant_runs in runs.items():
+    for variant_runs in runs.values():
         good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
         if not good:
             results.append(variant_runs[0])

@@ -37,6 +37,14 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+def check_batching_options(batch_size: int, timeout_s: float) -> None:
+    """Raise ``ValueError`` unless ``batch_size`` is a positive int and ``timeout_s`` >= 0."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not timeout_s >= 0:
+        raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+
+
 @dataclass(frozen=True)
 class BatcherStats:
     """A snapshot of an :class:`AutoBatcher`'s counters."""
@@ -93,10 +101,7 @@ class AutoBatcher(Generic[K, V]):
         flush_on_idle: bool = True,
         executor: Executor | None = None,
     ):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        check_batching_options(batch_size, timeout_s)
         self._process_batch = process_batch
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
@@ -321,10 +326,7 @@ class LoopBatchers(Generic[K, V]):
         timeout_s: float,
         thread_name: str = "genlm-worker",
     ):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        check_batching_options(batch_size, timeout_s)
         self._process_batch = process_batch
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)

@@ -197,7 +197,7 @@ def test_str_fallbacks(sentencepiece_style):
 def test_strict_fallback_names_the_first_invalid_token(sentencepiece_style):
     tokenizer, byte_vocab, _ = sentencepiece_style
     first = next(t for t in byte_vocab if not _is_utf8(t))
-    with pytest.raises(VocabularyDecodeError, match=rf"PreTrainedTokenizerFast|TokenizersBackend") as info:
+    with pytest.raises(VocabularyDecodeError, match=r"PreTrainedTokenizerFast|TokenizersBackend") as info:
         decode_vocab(tokenizer, str_fallback="strict")
     assert f"token id {first.token_id} " in str(info.value)
 

@@ -23,84 +23,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers
+from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm.sampling import sample_token
+from genlm_backend.llm.validation import TokenIds, as_list_of_contexts, validate_token_ids
 
-TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+__all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
+
 RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
 
 DEFAULT_OUTPUT_CACHE_BYTES = 1 << 30  # 1 GiB: ~5,000 rows of a 50k vocabulary
-_INTEGER_TYPES = (int, np.integer)
-
-
-def validate_token_ids(
-    token_ids: TokenIds, vocab_size: int, max_context_length: int | None = None
-) -> tuple[int, ...]:
-    """Check one context and return it as a tuple of Python ints.
-
-    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor.
-
-    Raises:
-        TypeError: not a sequence, or an element is not an integer (bools and
-            floats are rejected, even 3.0).
-        ValueError: empty, an id < 0 or >= ``vocab_size``, or longer than
-            ``max_context_length``.
-    """
-    if isinstance(token_ids, torch.Tensor | np.ndarray):
-        if token_ids.ndim != 1:
-            raise TypeError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        if token_ids.dtype in (torch.bool, np.bool_) or not _is_integer_dtype(token_ids.dtype):
-            raise TypeError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
-        ids = tuple(int(t) for t in token_ids.tolist())
-    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
-        raise TypeError(
-            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
-            "encode text with llm.tokenizer.encode(...) first"
-        )
-    else:
-        for position, t in enumerate(token_ids):
-            if not isinstance(t, _INTEGER_TYPES) or isinstance(t, bool | np.bool_):
-                raise TypeError(
-                    f"token_ids[{position}] is {t!r} of type {type(t).__name__}; "
-                    "token ids must be ints"
-                )
-        ids = tuple(int(t) for t in token_ids)
-    if not ids:
-        raise ValueError(
-            "token_ids is empty: the next-token distribution needs at least one token "
-            "of context (e.g. the tokenizer's BOS token)"
-        )
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= vocab_size:
-        position, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-        raise ValueError(
-            f"token_ids[{position}] = {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    if max_context_length is not None and len(ids) > max_context_length:
-        raise ValueError(
-            f"token_ids has {len(ids)} tokens, more than the model's context of "
-            f"{max_context_length}"
-        )
-    return ids
-
-
-def _is_integer_dtype(dtype) -> bool:
-    if isinstance(dtype, torch.dtype):
-        return not dtype.is_floating_point and not dtype.is_complex
-    return np.issubdtype(dtype, np.integer)
-
-
-def sample_token(logits: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one index with probability ``softmax(logits)``, by inverting the CDF.
-
-    ``logits``: 1-D CPU tensor. Ten times faster than ``torch.multinomial``
-    on a 50k vocabulary; accumulates in float64 so tiny probabilities keep
-    their share; never returns an index of probability zero.
-    """
-    cdf = torch.softmax(logits.double(), dim=-1).cumsum_(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1))
 
 
 @dataclass(frozen=True)
@@ -177,10 +110,7 @@ class AsyncLM(ABC):
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
     ):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        check_batching_options(batch_size, timeout_s)
         self.tokenizer = tokenizer
         if byte_vocab is None:
             from genlm_backend.tokenization import decode_vocab
@@ -333,7 +263,7 @@ class AsyncLM(ABC):
 
         Every context is validated before any is computed.
         """
-        keys = self._validate_all(_as_list_of_contexts(token_ids_list))
+        keys = self._validate_all(as_list_of_contexts(token_ids_list))
         rows = await asyncio.gather(*(self._submit_key(key) for key in keys))
         return torch.stack(rows)
 
@@ -355,7 +285,7 @@ class AsyncLM(ABC):
 
     def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
-        keys = self._validate_all(_as_list_of_contexts(token_ids_list))
+        keys = self._validate_all(as_list_of_contexts(token_ids_list))
         rows: dict[RequestKey, torch.Tensor] = {}
         for key in keys:
             row = self._cached(key)
@@ -420,7 +350,7 @@ class AsyncLM(ABC):
         from ``(seed, i)``, so identical prompts give independent samples and
         the whole call is reproducible.
         """
-        prompts = _as_list_of_contexts(prompt_token_ids_list)
+        prompts = as_list_of_contexts(prompt_token_ids_list)
         if seed is None:
             seeds = [None] * len(prompts)
         else:
@@ -484,16 +414,3 @@ class AsyncLM(ABC):
 def _wait_until_unlocked(lock: threading.Lock) -> None:
     with lock:  # acquired and released in this thread, even if the awaiting task is cancelled
         pass
-
-
-def _as_list_of_contexts(token_ids_list) -> list:
-    if isinstance(token_ids_list, str | bytes) or not isinstance(
-        token_ids_list, Sequence | np.ndarray | torch.Tensor
-    ):
-        raise TypeError(
-            f"expected a list of contexts, got {type(token_ids_list).__name__}"
-        )
-    contexts = list(token_ids_list)
-    if not contexts:
-        raise ValueError("the list of contexts is empty")
-    return contexts

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers
+from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
 from genlm_backend.errors import BatcherClosedError
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
@@ -41,10 +41,7 @@ class AsyncTokenCharacterTrie:
     """
 
     def __init__(self, trie: TokenCharacterTrie, *, batch_size: int = 64, timeout_s: float = 0.02):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        check_batching_options(batch_size, timeout_s)
         self.trie = trie
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)

@@ -1,0 +1,87 @@
+"""Validation of user input: contexts of token ids, checked before any model work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+_INTEGER_TYPES = (int, np.integer)
+
+
+def validate_token_ids(
+    token_ids: TokenIds, vocab_size: int, max_context_length: int | None = None
+) -> tuple[int, ...]:
+    """Check one context and return it as a tuple of Python ints.
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor.
+
+    Raises:
+        TypeError: not a sequence, or an element is not an integer (bools and
+            floats are rejected, even 3.0).
+        ValueError: empty, an id < 0 or >= ``vocab_size``, or longer than
+            ``max_context_length``.
+    """
+    if isinstance(token_ids, torch.Tensor | np.ndarray):
+        if token_ids.ndim != 1:
+            raise TypeError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype in (torch.bool, np.bool_) or not _is_integer_dtype(token_ids.dtype):
+            raise TypeError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
+        ids = tuple(int(t) for t in token_ids.tolist())
+    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
+            "encode text with llm.tokenizer.encode(...) first"
+        )
+    else:
+        for position, t in enumerate(token_ids):
+            if not isinstance(t, _INTEGER_TYPES) or isinstance(t, bool | np.bool_):
+                raise TypeError(
+                    f"token_ids[{position}] is {t!r} of type {type(t).__name__}; "
+                    "token ids must be ints"
+                )
+        ids = tuple(int(t) for t in token_ids)
+    if not ids:
+        raise ValueError(
+            "token_ids is empty: the next-token distribution needs at least one token "
+            "of context (e.g. the tokenizer's BOS token)"
+        )
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        position, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise ValueError(
+            f"token_ids[{position}] = {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    if max_context_length is not None and len(ids) > max_context_length:
+        raise ValueError(
+            f"token_ids has {len(ids)} tokens, more than the model's context of "
+            f"{max_context_length}"
+        )
+    return ids
+
+
+def _is_integer_dtype(dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex
+    return np.issubdtype(dtype, np.integer)
+
+
+def as_list_of_contexts(token_ids_list) -> list:
+    """The contexts of a batch call as a list.
+
+    Raises:
+        TypeError: not a sequence of contexts.
+        ValueError: empty.
+    """
+    if isinstance(token_ids_list, str | bytes) or not isinstance(
+        token_ids_list, Sequence | np.ndarray | torch.Tensor
+    ):
+        raise TypeError(
+            f"expected a list of contexts, got {type(token_ids_list).__name__}"
+        )
+    contexts = list(token_ids_list)
+    if not contexts:
+        raise ValueError("the list of contexts is empty")
+    return contexts
