@@ -41,7 +41,7 @@ def prompt_ids(tokenizer) -> list[int]:
     return ids[:25]
 
 
-def run_variant(variant: str, particles: int, steps: int, model_dir: str) -> dict:
+def run_variant(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None) -> dict:
     """Run one variant in this process; returns seconds and peak RSS."""
     import torch
 
@@ -49,7 +49,7 @@ def run_variant(variant: str, particles: int, steps: int, model_dir: str) -> dic
     if variant == "floor":
         seconds = _run_floor(particles, steps, model_dir)
     elif variant == "ours":
-        seconds, stats = _run_ours(particles, steps, model_dir)
+        seconds, stats = _run_ours(particles, steps, model_dir, batch_size)
     else:
         raise ValueError(variant)
     result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
@@ -93,7 +93,7 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
         return time.perf_counter() - start
 
 
-def _run_ours(particles: int, steps: int, model_dir: str):
+def _run_ours(particles: int, steps: int, model_dir: str, batch_size: int | None):
     import asyncio
     import dataclasses
 
@@ -103,7 +103,7 @@ def _run_ours(particles: int, steps: int, model_dir: str):
     from genlm_backend.llm.hf import AsyncTransformer
 
     model, tokenizer = _load(model_dir)
-    llm = AsyncTransformer(model, tokenizer)
+    llm = AsyncTransformer(model, tokenizer, **({"batch_size": batch_size} if batch_size else {}))
     prompt = prompt_ids(tokenizer)
     llm.next_token_logprobs_uncached(prompt)  # warm-up, caches nothing
 
@@ -124,13 +124,15 @@ def _run_ours(particles: int, steps: int, model_dir: str):
     return seconds, stats
 
 
-def spawn(variant: str, particles: int, steps: int, model_dir: str) -> dict:
+def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None) -> dict:
     if variant.startswith("upstream"):
         if not UPSTREAM_PYTHON.exists():
             return {"variant": variant, "error": f"no upstream venv at {UPSTREAM_PYTHON}; run benchmarks/upstream_env.sh"}
         command = [str(UPSTREAM_PYTHON), str(HERE / "upstream_hf_driver.py"), "--cache-kv" if "cache_kv" in variant else "--no-cache-kv"]
     else:
         command = [sys.executable, __file__, "--child", variant]
+        if batch_size:
+            command += ["--batch-size", str(batch_size)]
     command += ["--particles", str(particles), "--steps", str(steps), "--model-dir", model_dir]
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE.parent)})
     if result.returncode != 0:
@@ -138,12 +140,12 @@ def spawn(variant: str, particles: int, steps: int, model_dir: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str) -> list[dict]:
+def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str, batch_size=None) -> list[dict]:
     """Run every variant ``repeats`` times, interleaved (each run a fresh process); keep each variant's median run."""
     runs = {v: [] for v in variants}
     for _ in range(repeats):
         for v in variants:
-            runs[v].append(spawn(v, particles, steps, model_dir))
+            runs[v].append(spawn(v, particles, steps, model_dir, batch_size))
     results = []
     for variant_runs in runs.values():
         good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
@@ -164,11 +166,12 @@ def main(argv=None) -> None:
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=None, help="AsyncTransformer batch_size for 'ours' (default: the library's, 20)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; the median is reported")
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_variant(args.child, args.particles, args.steps, args.model_dir)))
+        print(json.dumps(run_variant(args.child, args.particles, args.steps, args.model_dir, args.batch_size)))
         return
 
     from genlm_backend.models import default_model_dir
@@ -176,12 +179,13 @@ def main(argv=None) -> None:
     model_dir = str(default_model_dir())
     results = []
     print(f"# bench_hf: SmolLM2-135M fp32, 2 threads, {platform.processor() or platform.machine()}")
-    print(f"median of {args.repeats} runs per variant, each in a fresh process")
+    print(f"median of {args.repeats} runs per variant, each in a fresh process; "
+          f"ours with batch_size={args.batch_size or 'default (20)'}")
     print("| particles x steps | variant | seconds (median) | vs floor | all runs (s) | peak RSS (MB) | mean batch | tokens computed / requested |")
     print("|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
         particles, steps = map(int, workload.split("x"))
-        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir)]
+        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir, args.batch_size)]
         floor = next((r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None)
         for r in rows:
             results.append(r)

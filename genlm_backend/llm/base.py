@@ -33,7 +33,7 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 
 RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
 
-DEFAULT_OUTPUT_CACHE_BYTES = 1 << 30  # 1 GiB: ~5,000 rows of a 50k vocabulary
+DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
 @dataclass(frozen=True)
