@@ -34,6 +34,13 @@ class KVBlock:
         self.layers = layers
         self.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         self.num_live_entries = 0
+        num_rows = layers[0][0].shape[0] if layers else 0
+        self.row_ends: list[int] = [0] * num_rows
+        """Per row, the end of its written slots: slots past it are free to write."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.layers[0][0].shape[2]
 
     def keys_values(self, layer: int, row: int, start: int, length: int):
         """Keys and values ``[H, length, D]`` of ``row``'s slots ``[start, start + length)``."""

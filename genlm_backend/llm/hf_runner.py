@@ -82,12 +82,12 @@ class HFRunner:
             [row for row in rows if row.num_new > 1],
         ):
             if group:
-                logprobs, cache, num_past = self._forward(group)
+                logprobs, block, num_past = self._forward(group)
                 out[[row.index for row in group]] = logprobs
-                computed.append((group, cache, num_past))
+                computed.append((group, block, num_past))
         # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
-        for group, cache, num_past in computed:
-            self._keep(group, cache, num_past, namespace)
+        for group, block, num_past in computed:
+            self._keep(group, block, num_past, namespace)
         return out
 
     def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> _Row:
@@ -95,16 +95,22 @@ class HFRunner:
         reused = min(shared, len(context) - 1)  # the last token must run to give logits
         return _Row(index, context, entry if reused > 0 else None, reused)
 
-    def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, StaticCache, int]:
-        num_past = max(row.reused for row in rows)
+    def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBlock, int]:
         num_new = max(row.num_new for row in rows)
-        cache = self._cache_with_pasts(rows, num_past, num_new)
+        block = _extendable_block(rows, num_new)
+        if block is not None:
+            num_past = rows[0].entry.start + rows[0].reused  # the slot every new token goes to
+            cache = self._cache_over(block, num_past)
+        else:
+            num_past = max(row.reused for row in rows)
+            cache = self._cache_with_pasts(rows, num_past, num_new)
+            block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
         input_ids, position_ids = self._inputs(rows, num_past, num_new)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
         with _head_sees_only(self.model, last if num_new > 1 else None):
             output = self.model(
                 input_ids=input_ids,
-                attention_mask=self._mask(rows, num_past, num_new),
+                attention_mask=self._mask(rows, num_past, num_new, block.num_slots),
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
@@ -115,16 +121,19 @@ class HFRunner:
             torch.arange(len(rows), device=self.device), last
         ]
         self.num_tokens_computed += sum(row.num_new for row in rows)
-        return self._normalize(logits), cache, num_past
+        return self._normalize(logits), block, num_past
 
     def _cache_with_pasts(self, rows: list[_Row], num_past: int, num_new: int) -> StaticCache:
         """A StaticCache of ``num_past + num_new`` slots with each row's past right-aligned at ``num_past``."""
         config = self.model.config
-        cache = StaticCache(config=config, max_cache_len=num_past + num_new)
+        # One-token steps get spare slots, so the next steps can write in place (see _extendable_block).
+        num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
+        num_slots = min(num_past + num_new + num_spare, self._max_positions)
+        cache = StaticCache(config=config, max_cache_len=num_slots)
         num_kv_heads, head_dim = _kv_shape(config)
-        shape = (len(rows), num_kv_heads, num_past + num_new, head_dim)
+        shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
-            _block_nbytes(cache, len(rows), num_kv_heads, num_past + num_new, head_dim, self.model.dtype),
+            _block_nbytes(cache, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
             pinned=[row.entry for row in rows if row.entry is not None],
         )
         copies = _group_copies(rows, self.device)
@@ -142,6 +151,15 @@ class HFRunner:
             for i, num_padding in unwritten:
                 keys[i, :, :num_padding] = 0
                 values[i, :, :num_padding] = 0
+            keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
+            values[:, :, num_past + num_new :] = 0
+            _adopt(layer, keys, values, num_past)
+        return cache
+
+    def _cache_over(self, block: KVBlock, num_past: int) -> StaticCache:
+        """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
+        cache = StaticCache(config=self.model.config, max_cache_len=block.num_slots)
+        for layer, (keys, values) in zip(cache.layers, block.layers):
             _adopt(layer, keys, values, num_past)
         return cache
 
@@ -155,9 +173,8 @@ class HFRunner:
             position_ids[i] = positions.clamp_(max=self._max_positions - 1)  # padding stays in range
         return input_ids.to(self.device), position_ids.to(self.device)
 
-    def _mask(self, rows: list[_Row], num_past: int, num_new: int) -> torch.Tensor:
-        """Additive mask ``[B, 1, num_new, num_past + num_new]``: each row sees its past and its causal new tokens."""
-        num_slots = num_past + num_new
+    def _mask(self, rows: list[_Row], num_past: int, num_new: int, num_slots: int) -> torch.Tensor:
+        """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its past and its causal new tokens."""
         slots = torch.arange(num_slots)
         queries = torch.arange(num_new)[:, None] + num_past  # slot of each query
         first = torch.tensor([num_past - row.reused for row in rows])[:, None, None]
@@ -166,14 +183,14 @@ class HFRunner:
         mask.masked_fill_(~visible[:, None], torch.finfo(self.model.dtype).min)
         return mask.to(self.device)
 
-    def _keep(self, rows: list[_Row], cache: StaticCache, num_past: int, namespace: Hashable) -> None:
+    def _keep(self, rows: list[_Row], block: KVBlock, num_past: int, namespace: Hashable) -> None:
         """Leave each row's keys/values (past and new) in the tree, if the budget allows."""
-        block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
-        if not self.kv_tree.reserve(block.nbytes):
+        if block.num_live_entries == 0 and not self.kv_tree.reserve(block.nbytes):
             return
         for i, row in enumerate(rows):
-            entry = KVEntry(block, i, num_past - row.reused, len(row.context))
-            self.kv_tree.insert(row.context, entry, namespace)
+            start = num_past - row.reused
+            block.row_ends[i] = start + len(row.context)
+            self.kv_tree.insert(row.context, KVEntry(block, i, start, len(row.context)), namespace)
 
     def _normalize(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
@@ -217,6 +234,36 @@ def _head_sees_only(model, last: torch.Tensor | None):
         yield
     finally:
         handle.remove()
+
+
+def _num_spare_slots(num_past: int) -> int:
+    """Room left in a one-token step's block for later steps: 1/4 of its length, at least 8."""
+    return max(8, num_past // 4)
+
+
+def _extendable_block(rows: list[_Row], num_new: int) -> KVBlock | None:
+    """The block to extend in place, if this is the next one-token step of exactly its rows.
+
+    True when every row ``i`` extends, by one token, the whole context held by
+    row ``i`` of one block; those contexts all end at the same slot, which is
+    their row's last written slot (so the slot written now belongs to no other
+    entry), and a free slot is left. That is the SMC step without resampling;
+    anything else is copied into a new block.
+    """
+    first = rows[0].entry
+    if num_new != 1 or first is None:
+        return None
+    block, end = first.block, first.start + first.length
+    if len(block.row_ends) != len(rows) or end >= block.num_slots:
+        return None
+    for i, row in enumerate(rows):
+        entry = row.entry
+        if (
+            entry is None or entry.block is not block or entry.row != i
+            or row.reused != entry.length or entry.start + entry.length != end or block.row_ends[i] != end
+        ):
+            return None
+    return block
 
 
 def _group_copies(rows: list[_Row], device) -> dict:
