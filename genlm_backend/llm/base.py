@@ -52,7 +52,9 @@ class LMStats:
     num_tokens_requested: int
     """Sum of the lengths of all requested contexts: what an uncached model would run."""
     num_tokens_computed: int
-    """Tokens the model actually ran (less than requested when prefixes are reused)."""
+    """Tokens the model ran: for ``AsyncTransformer`` exactly (prefix reuse included); for
+    other backends the lengths of the contexts sent to the model (vLLM's own prefix cache
+    may run fewer). Output-cache hits and deduplicated requests cost none."""
     output_cache_bytes: int
     """Bytes of log-probability rows held by the output cache."""
     kv_cache_bytes: int
@@ -132,6 +134,7 @@ class AsyncLM(ABC):
         self._is_closed = False
         self._num_requests = 0
         self._num_tokens_requested = 0
+        self._num_tokens_sent = 0  # lengths of the contexts sent to the model
         self._num_cache_hits = 0
         self._num_batches = 0
         self._num_contexts_computed = 0
@@ -155,8 +158,8 @@ class AsyncLM(ABC):
         return None
 
     def _num_tokens_computed(self) -> int:
-        """Tokens run through the model so far; backends that reuse prefixes override."""
-        return self._num_tokens_requested
+        """Tokens run through the model so far: whole contexts, unless a backend reuses prefixes and overrides this."""
+        return self._num_tokens_sent
 
     def _kv_cache_bytes(self) -> int:
         return 0
@@ -221,6 +224,7 @@ class AsyncLM(ABC):
             rows = self._compute_grouped(keys)
             self._num_batches += 1
             self._num_contexts_computed += len(keys)
+            self._num_tokens_sent += sum(len(context) for _, context in keys)
         for key, row in zip(keys, rows):
             self.output_cache.put(key, row)
         return rows
