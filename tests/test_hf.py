@@ -285,3 +285,52 @@ async def test_lock_step_particles_extend_their_block_in_place_and_stay_exact(ti
     results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
     for particle, result in zip(particles, results):
         assert_matches_reference(llm, particle, result)
+
+
+async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(tiny_llama, monkeypatch):
+    """On CPU the runner's masked attention calls SDPA with grouped key/value heads, not repeated ones."""
+    from genlm_backend.llm import hf_runner
+
+    model, tokenizer = tiny_llama
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    calls = {"grouped": 0}
+    grouped = hf_runner._sdpa_grouped_kv
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None:
+            assert key.shape[1] == model.config.num_key_value_heads  # not repeated
+            calls["grouped"] += 1
+        return grouped(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    hf_runner._register_grouped_sdpa()
+    monkeypatch.setitem(AttentionInterface._global_mapping, hf_runner._GROUPED_SDPA, counting)
+    llm = AsyncTransformer(model, tokenizer)
+    contexts = [[5, 6, 7], [5, 6, 8, 9, 10], [11]]
+    results = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    results += await asyncio.gather(*(llm.next_token_logprobs(c + [3]) for c in contexts))
+    for context, result in zip(contexts + [c + [3] for c in contexts], results):
+        assert_matches_reference(llm, context, result)
+    assert calls["grouped"] >= 2 * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"  # restored after every pass
+
+
+def test_grouped_sdpa_equals_transformers_sdpa_with_repeated_heads():
+    """The same attention as transformers' ``sdpa`` function under a ragged additive mask, prefill and decode."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from genlm_backend.llm.hf_runner import _sdpa_grouped_kv
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    generator = torch.Generator().manual_seed(0)
+    for num_queries in (1, 5):
+        query = torch.randn(4, 6, num_queries, 16, generator=generator)
+        key, value = (torch.randn(4, 2, 12, 16, generator=generator) for _ in range(2))
+        visible = torch.rand(4, 1, num_queries, 12, generator=generator) > 0.3
+        visible[..., -1] = True  # every query sees at least one slot
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)
+        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+        result, _ = _sdpa_grouped_kv(module, query, key, value, mask, scaling=0.25)
+        torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
