@@ -8,9 +8,13 @@ out=benchmarks/results
 mkdir -p "$out"
 bash benchmarks/upstream_env.sh >/dev/null
 
-python benchmarks/bench_hf.py --workloads 16x32 --repeats 5 | tee "$out/hf_16x32.md"
+python benchmarks/bench_attention.py | tee "$out/attention.md"
+python benchmarks/bench_hf.py --workloads 16x32 --repeats 3 | tee "$out/hf_16x32.md"
+python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64.md"
+OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 \
+    --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64_omp.md"
+python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ours | tee "$out/hf_64x128_default.md"
 python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ours upstream+cache_kv | tee "$out/hf_64x128.md"
-python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64.md"
 python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --repeats 1 \
     --variants floor ours upstream+cache_kv --json "$out/hf_sweep.json" | tee "$out/hf_sweep.md"
 python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particles.png
@@ -18,4 +22,5 @@ python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/tr
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
 python benchmarks/bench_vocab.py | tee "$out/vocab.md"
 python benchmarks/bench_vllm.py | tee "$out/vllm.md"
+python benchmarks/bench_vllm.py --steps 8 | tee "$out/vllm_8steps.md"
 python -m pytest tests/stress -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/stress.md"
