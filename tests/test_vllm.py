@@ -183,3 +183,39 @@ async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, t
         assert_matches(successor, tiny_reference, [[5, 6, 7]], row[None])
     finally:
         successor.close()
+
+
+async def test_particles_step_through_sessions_one_token_each(backend):
+    """Lock-step particles with resampling: each step extends open sessions by one token, rows stay exact."""
+    llm, model = backend
+    llm.clear_cache()
+    rng = random.Random(5)
+    particles = [[rng.randrange(llm.vocab_size) for _ in range(40)] for _ in range(MAX_NUM_SEQS - 1)]
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    for step in range(6):
+        if step == 3:  # resampling: particle 0 duplicated over particle 1, then both move on
+            particles[1] = list(particles[0])
+        particles = [p + [rng.randrange(llm.vocab_size)] for p in particles]
+        submitted_before = llm.stats.num_tokens_computed
+        rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        assert_matches(llm, model, particles, torch.stack(rows))
+        submitted = llm.stats.num_tokens_computed - submitted_before
+        if step == 3:  # the duplicate's extension opens a new request over its whole context
+            assert submitted == len(particles) - 1 + len(particles[1])
+        else:
+            assert submitted == len(particles)  # one token per particle
+    assert 0 < llm.num_sessions <= MAX_NUM_SEQS - 1
+    llm.clear_cache()
+    assert llm.num_sessions == 0
+
+
+def test_more_particles_than_session_slots_are_still_exact(tiny_vllm, tiny_reference):
+    """Beyond the slots sessions may hold, contexts run as plain requests; every row stays exact."""
+    tiny_vllm.clear_cache()
+    rng = random.Random(6)
+    particles = [[rng.randrange(tiny_vllm.vocab_size) for _ in range(10)] for _ in range(2 * MAX_NUM_SEQS + 1)]
+    for _ in range(3):
+        rows = tiny_vllm.batch_next_token_logprobs_sync(particles)
+        assert_matches(tiny_vllm, tiny_reference, particles, rows)
+        assert tiny_vllm.num_sessions <= MAX_NUM_SEQS - 1
+        particles = [p + [rng.randrange(tiny_vllm.vocab_size)] for p in particles]

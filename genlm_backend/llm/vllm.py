@@ -2,13 +2,22 @@
 
 The data path of one batch (in the AsyncLM worker thread)::
 
-    contexts -> one request each (max_tokens=1, request id in extra_args)
+    contexts -> one request each (max_tokens=1, capture id in extra_args)
         -> LLMEngine.step() until all finish (vLLM schedules, chunks, caches prefixes)
         -> the capture processor files log_softmax rows by request id (vllm_capture)
         -> collective_rpc: take the rows -> [B, V] float32 -> trimmed to the vocabulary
 
 vLLM's own ``logprobs=-1`` path would build one Python object per vocabulary
 entry per request; the capture path moves one tensor per batch.
+
+Particle sessions. A finished request leaves only whole KV blocks in vLLM's
+prefix cache, so a context one token longer than a finished one would
+recompute everything past its last full block (up to ``block_size`` tokens).
+When the engine core runs in this process, each request is therefore
+*resumable* (a vLLM streaming-input session): it keeps its keys/values,
+partial block included, and a later context that extends it by one token is
+sent to it as that one token. Sessions are kept by the context they last
+computed, least recently used first out, at most ``max_sessions``.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
@@ -69,6 +79,8 @@ class AsyncVirtualLM(AsyncLM):
         tokenizer: The model's Hugging Face tokenizer; the engine's when omitted.
         batch_size: Most distinct contexts per engine batch.
         timeout: Most seconds a request waits for its batch to fill.
+        max_sessions: Most particle sessions kept open (each holds its keys/values
+            in vLLM's KV cache); ``None``: twice ``batch_size``; 0 turns sessions off.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -76,7 +88,7 @@ class AsyncVirtualLM(AsyncLM):
     """
 
     def __init__(self, llm_engine, tokenizer=None, batch_size: int = 64, timeout: float = 0.02,
-                 **kwargs):
+                 *, max_sessions: int | None = None, **kwargs):
         self.llm_engine = getattr(llm_engine, "llm_engine", llm_engine)  # unwrap vllm.LLM
         try:
             self._rpc("genlm_discard_logprobs")
@@ -95,6 +107,12 @@ class AsyncVirtualLM(AsyncLM):
             **kwargs,
         )
         self._request_numbers = itertools.count()
+        self.max_sessions = 2 * batch_size if max_sessions is None else max_sessions
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {max_sessions!r}")
+        self._scheduler = _in_process_scheduler(self.llm_engine)
+        self._sessions: OrderedDict[tuple[int, ...], str] = OrderedDict()  # context -> request id
+        self._num_tokens_submitted = 0
 
     @classmethod
     def from_name(cls, model_name=None, engine_opts: dict | None = None, **kwargs) -> AsyncVirtualLM:
@@ -124,6 +142,8 @@ class AsyncVirtualLM(AsyncLM):
     # ------------------------------------------------------------------ AsyncLM hooks
 
     def _compute_logprobs(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        if self._scheduler is not None and self.max_sessions > 0:
+            return self._compute_in_sessions(contexts)
         from vllm.inputs.engine import tokens_input
 
         request_ids = [f"genlm-{next(self._request_numbers)}" for _ in contexts]
@@ -132,6 +152,7 @@ class AsyncVirtualLM(AsyncLM):
                 self.llm_engine.add_request(
                     request_id, tokens_input(list(context)), _sampling_params(request_id)
                 )
+                self._num_tokens_submitted += len(context)
             self._run_until_finished(request_ids)
             logprobs = self._take_logprobs(request_ids)  # [B, V_model] float32
         except BaseException:
@@ -148,6 +169,97 @@ class AsyncVirtualLM(AsyncLM):
             for output in self.llm_engine.step():
                 if output.finished:
                     pending.discard(output.request_id)
+
+    # ------------------------------------------------------------------ particle sessions
+
+    def _compute_in_sessions(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        """One row per context: a one-token step of an open session, a new session, or a plain request."""
+        # An idle session holds one of vLLM's active-request slots; one slot stays
+        # free so that requests beyond the sessions can always run.
+        num_slots = max(0, min(self.max_sessions, self._scheduler.max_num_active_reqs - 1))
+        stale = [self._sessions.pop(c) for c in contexts if c in self._sessions]  # recomputed anew
+        plan = []  # (request id, context, tokens to send, keep as session)
+        for context in contexts:
+            session = self._sessions.pop(context[:-1], None)
+            plan.append((session, context, context[-1:], True) if session else (None, context, context, False))
+        num_open = sum(keep for *_, keep in plan)
+        for i, (session, context, tokens, _) in enumerate(plan):
+            if session is None:
+                keep = num_open < num_slots
+                num_open += keep
+                prefix = "genlm-session" if keep else "genlm"
+                plan[i] = (f"{prefix}-{next(self._request_numbers)}", context, tokens, keep)
+        capture_ids = [f"genlm-capture-{next(self._request_numbers)}" for _ in contexts]
+        request_ids = [request_id for request_id, *_ in plan]
+        try:
+            self._close_sessions(stale + self._least_recent_sessions(len(self._sessions) + num_open - num_slots))
+            for (request_id, _, tokens, keep), capture_id in zip(plan, capture_ids):
+                self._submit(request_id, tokens, capture_id, resumable=keep)
+            self._run_until_done(request_ids)
+            logprobs = self._take_logprobs(capture_ids)
+        except BaseException:
+            self._close_sessions(request_ids)
+            self._rpc("genlm_discard_logprobs", capture_ids)
+            raise
+        for request_id, context, _, keep in plan:
+            if keep:
+                self._sessions[context] = request_id
+        return self._fit_to_vocab(logprobs).to(self.device)
+
+    def _submit(self, request_id: str, tokens: tuple[int, ...], capture_id: str, resumable: bool) -> None:
+        """Send ``tokens`` as a new request, or as the next input of the open session ``request_id``."""
+        from vllm.inputs.engine import tokens_input
+
+        engine = self.llm_engine
+        request = engine.input_processor.process_inputs(
+            request_id, tokens_input(list(tokens)), _sampling_params(capture_id),
+            supported_tasks=engine.get_supported_tasks(), resumable=resumable,
+        )
+        # These requests bypass the output processor (rows come from the capture
+        # store), so the engine core gets each with its id as given.
+        request.external_req_id = request.request_id
+        engine.engine_core.add_request(request)
+        self._num_tokens_submitted += len(tokens)
+
+    def _run_until_done(self, request_ids: list[str]) -> None:
+        """Step the engine until each request finished, or finished its turn (an open session).
+
+        A prompt prefilled in several chunks has a row captured after every
+        chunk; only the turn's end says the last one is in.
+        """
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self._scheduler
+
+        def busy(request_id: str) -> bool:
+            request = scheduler.requests.get(request_id)
+            return request is not None and request.status != RequestStatus.WAITING_FOR_STREAMING_REQ
+
+        pending = [request_id for request_id in request_ids if busy(request_id)]
+        while pending:
+            if scheduler.get_num_unfinished_requests() == 0:  # idle sessions not counted
+                raise CaptureError(f"the engine has nothing left to run with {len(pending)} requests unfinished")
+            self.llm_engine.step()
+            pending = [request_id for request_id in pending if busy(request_id)]
+
+    def _least_recent_sessions(self, count: int) -> list[str]:
+        oldest = list(itertools.islice(self._sessions, max(count, 0)))
+        return [self._sessions.pop(context) for context in oldest]
+
+    def _close_sessions(self, request_ids: list[str]) -> None:
+        """Finish these requests (open sessions or not) and free their keys/values."""
+        if request_ids:
+            self.llm_engine.engine_core.abort_requests(request_ids)
+
+    @property
+    def num_sessions(self) -> int:
+        """Particle sessions open now."""
+        return len(self._sessions)
+
+    def _num_tokens_computed(self) -> int:
+        # Tokens sent to vLLM: whole contexts for new requests, one token per session step.
+        # vLLM's prefix cache may run fewer of the former.
+        return self._num_tokens_submitted
 
     def _take_logprobs(self, request_ids: list[str]) -> torch.Tensor:
         replies = [r for r in self._rpc("genlm_take_logprobs", request_ids) if r is not None]
@@ -171,6 +283,7 @@ class AsyncVirtualLM(AsyncLM):
 
     def _clear_model_caches(self) -> None:
         if getattr(self, "llm_engine", None) is not None:
+            self._close_sessions(self._least_recent_sessions(len(self._sessions)))
             self.llm_engine.reset_prefix_cache()
 
     def _release_model(self) -> None:
@@ -195,6 +308,15 @@ def _sampling_params(request_id: str):
     return SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: request_id}
     )
+
+
+def _in_process_scheduler(engine):
+    """The engine core's scheduler when it runs in this process with one worker, else ``None``."""
+    core = getattr(engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None or engine.vllm_config.parallel_config.world_size != 1:
+        return None
+    return scheduler
 
 
 def _cleanup_vllm_process_state() -> None:
