@@ -169,22 +169,6 @@ def test_rejects_an_engine_not_built_for_capture():
         AsyncVirtualLM(PlainEngine())
 
 
-async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, tiny_reference):
-    llm = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
-    assert_matches(llm, tiny_reference, [[5, 6]], (await llm.next_token_logprobs([5, 6]))[None])
-    await llm.aclose()
-    assert llm.llm_engine is None
-    with pytest.raises(BackendClosedError):
-        await llm.next_token_logprobs([5, 6])
-    await llm.aclose()  # idempotent
-    successor = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
-    try:
-        row = successor.next_token_logprobs_sync([5, 6, 7])
-        assert_matches(successor, tiny_reference, [[5, 6, 7]], row[None])
-    finally:
-        successor.close()
-
-
 async def test_particles_step_through_sessions_one_token_each(backend):
     """Lock-step particles with resampling: each step extends open sessions by one token, rows stay exact."""
     llm, model = backend
@@ -219,3 +203,20 @@ def test_more_particles_than_session_slots_are_still_exact(tiny_vllm, tiny_refer
         assert_matches(tiny_vllm, tiny_reference, particles, rows)
         assert tiny_vllm.num_sessions <= MAX_NUM_SEQS - 1
         particles = [p + [rng.randrange(tiny_vllm.vocab_size)] for p in particles]
+
+
+async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, tiny_reference):
+    llm = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
+    assert_matches(llm, tiny_reference, [[5, 6]], (await llm.next_token_logprobs([5, 6]))[None])
+    await llm.aclose()
+    assert llm.llm_engine is None
+    with pytest.raises(BackendClosedError):
+        await llm.next_token_logprobs([5, 6])
+    await llm.aclose()  # idempotent
+    successor = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
+    try:
+        row = successor.next_token_logprobs_sync([5, 6, 7])
+        assert_matches(successor, tiny_reference, [[5, 6, 7]], row[None])
+    finally:
+        successor.close()
+
