@@ -3,8 +3,10 @@
 Workload: ``--particles`` sequences advance in lock-step for ``--steps`` steps
 (as in sequential Monte Carlo); at each step every sequence asks for the
 next-token distribution of its context, then grows by one random token.
-Both methods follow the same seeded trajectory, each from an empty prefix
-cache (it is reset in between), so vLLM's prefix cache helps both alike. Both produce a ``[particles, V]`` float32 tensor
+Every method follows the same seeded trajectory, each from an empty prefix
+cache (it is reset in between), so vLLM's prefix cache helps all alike. The
+capture path runs twice: with particle sessions (the default) and with
+``max_sessions=0`` (one finished request per context, as the public path). Each produces a ``[particles, V]`` float32 tensor
 per step: the capture path directly, the public path by scattering vLLM's
 ``FlatLogprobs`` (``flat_logprobs=True``) into a tensor. Warm-up steps are
 excluded. Prints a markdown table (append it to BENCHMARKS.md by hand).
@@ -74,15 +76,15 @@ def public_step(engine, contexts, vocab: int, step: int) -> torch.Tensor:
     return rows
 
 
-def timed_steps(run_step, steps, warmup: int) -> tuple[float, torch.Tensor]:
-    """Seconds for the steps after ``warmup``, and the first step's rows."""
-    first = None
+def timed_steps(run_step, steps, warmup: int) -> tuple[float, list[torch.Tensor]]:
+    """Seconds for the steps after ``warmup``, and the rows of the first and last steps."""
+    first = last = None
     for i, contexts in enumerate(steps):
         if i == warmup:
             start = time.perf_counter()
-        rows = run_step(contexts, i)
-        first = rows if first is None else first
-    return time.perf_counter() - start, first
+        last = run_step(contexts, i)
+        first = last if first is None else first
+    return time.perf_counter() - start, [first, last]
 
 
 def main() -> None:
@@ -97,21 +99,27 @@ def main() -> None:
     llm = AsyncVirtualLM.from_name(args.model, engine_opts=ENGINE_OPTS, batch_size=args.particles)
     vocab, shape = llm.vocab_size, (args.particles, args.steps + args.warmup, args.prompt_len)
     loop = asyncio.new_event_loop()
-    capture_s, capture_first = timed_steps(
-        lambda contexts, _: loop.run_until_complete(capture_step(llm, contexts)),
-        trajectories(0, vocab, *shape), args.warmup)
-    llm.clear_cache()  # the public path starts from an empty prefix cache too
-    public_s, public_first = timed_steps(
+    seconds, rows = {}, {}
+    for name, max_sessions in (("capture", llm.max_sessions), ("capture, no sessions", 0)):
+        llm.clear_cache()  # every method starts from an empty prefix cache
+        llm.max_sessions = max_sessions
+        seconds[name], rows[name] = timed_steps(
+            lambda contexts, _: loop.run_until_complete(capture_step(llm, contexts)),
+            trajectories(0, vocab, *shape), args.warmup)
+    llm.clear_cache()
+    seconds["public"], rows["public"] = timed_steps(
         lambda contexts, i: public_step(llm.llm_engine, contexts, vocab, i),
         trajectories(0, vocab, *shape), args.warmup)
-    # Same seed: the first steps' contexts are equal, so the rows must agree.
-    max_diff = (capture_first - public_first).abs().max().item()
+    # Same seed, same contexts: first and last steps' rows must agree across methods.
+    max_diff = max((a - b).abs().max().item()
+                   for name in ("capture", "capture, no sessions")
+                   for a, b in zip(rows[name], rows["public"]))
     loop.run_until_complete(llm.aclose())
     loop.close()
-    print_table(args, vocab, capture_s, public_s, max_diff)
+    print_table(args, vocab, seconds, max_diff)
 
 
-def print_table(args, vocab: int, capture_s: float, public_s: float, max_diff: float) -> None:
+def print_table(args, vocab: int, seconds: dict[str, float], max_diff: float) -> None:
     import vllm
 
     requests = args.particles * args.steps
@@ -120,13 +128,15 @@ def print_table(args, vocab: int, capture_s: float, public_s: float, max_diff: f
           f"torch threads, vLLM {vllm.__version__}, vocabulary {vocab}")
     print(f"Workload: {args.particles} concurrent requests per step, {args.steps} timed steps "
           f"(+{args.warmup} warm-up), prompt {args.prompt_len} tokens + 1 per step")
-    print(f"First-step rows agree within {max_diff:.2e} (max abs difference)\n")
+    print(f"Rows of the first and last steps agree within {max_diff:.2e} (max abs difference)\n")
     print("| method | total s | ms / step | requests / s | speed-up |")
     print("|---|---|---|---|---|")
-    for name, seconds in (("AsyncVirtualLM (capture)", capture_s),
-                          ("vLLM logprobs=-1, flat_logprobs", public_s)):
-        print(f"| {name} | {seconds:.2f} | {1000 * seconds / args.steps:.1f} | "
-              f"{requests / seconds:.0f} | {public_s / seconds:.2f}x |")
+    names = {"capture": "AsyncVirtualLM (capture, particle sessions)",
+             "capture, no sessions": "AsyncVirtualLM (capture, max_sessions=0)",
+             "public": "vLLM logprobs=-1, flat_logprobs"}
+    for key, name in names.items():
+        print(f"| {name} | {seconds[key]:.2f} | {1000 * seconds[key] / args.steps:.1f} | "
+              f"{requests / seconds[key]:.0f} | {seconds['public'] / seconds[key]:.2f}x |")
 
 
 if __name__ == "__main__":
