@@ -144,6 +144,7 @@ class AsyncVirtualLM(AsyncLM):
     def _compute_logprobs(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
         if self._scheduler is not None and self.max_sessions > 0:
             return self._compute_in_sessions(contexts)
+        self._close_sessions(self._least_recent_sessions(len(self._sessions)))  # max_sessions set to 0
         from vllm.inputs.engine import tokens_input
 
         request_ids = [f"genlm-{next(self._request_numbers)}" for _ in contexts]
@@ -236,11 +237,23 @@ class AsyncVirtualLM(AsyncLM):
             return request is not None and request.status != RequestStatus.WAITING_FOR_STREAMING_REQ
 
         pending = [request_id for request_id in request_ids if busy(request_id)]
+        num_idle_steps = 0  # steps in a row that finished nothing and left nothing running
         while pending:
             if scheduler.get_num_unfinished_requests() == 0:  # idle sessions not counted
                 raise CaptureError(f"the engine has nothing left to run with {len(pending)} requests unfinished")
             self.llm_engine.step()
-            pending = [request_id for request_id in pending if busy(request_id)]
+            still_pending = [request_id for request_id in pending if busy(request_id)]
+            progressed = len(still_pending) < len(pending) or scheduler.running
+            pending = still_pending
+            num_idle_steps = 0 if progressed else num_idle_steps + 1
+            if pending and num_idle_steps >= 2:
+                # Nothing could be scheduled twice in a row: idle sessions hold the
+                # KV cache the waiting requests need. Close them (none is in this batch).
+                idle = self._least_recent_sessions(len(self._sessions))
+                if not idle:
+                    raise CaptureError(f"vLLM cannot schedule {len(pending)} requests of this batch")
+                self._close_sessions(idle)
+                num_idle_steps = 0
 
     def _least_recent_sessions(self, count: int) -> list[str]:
         oldest = list(itertools.islice(self._sessions, max(count, 0)))
