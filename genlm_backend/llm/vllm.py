@@ -324,10 +324,15 @@ def _sampling_params(request_id: str):
 
 
 def _in_process_scheduler(engine):
-    """The engine core's scheduler when it runs in this process with one worker, else ``None``."""
+    """The scheduler particle sessions use, or ``None`` where they are not supported.
+
+    Supported: the engine core in this process, one worker, the V1 model runner
+    (the one sessions were tested with).
+    """
     core = getattr(engine.engine_core, "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
-    if scheduler is None or engine.vllm_config.parallel_config.world_size != 1:
+    config = engine.vllm_config
+    if scheduler is None or config.parallel_config.world_size != 1 or config.use_v2_model_runner:
         return None
     return scheduler
 
