@@ -89,6 +89,8 @@ class AsyncVirtualLM(AsyncLM):
 
     def __init__(self, llm_engine, tokenizer=None, batch_size: int = 64, timeout: float = 0.02,
                  *, max_sessions: int | None = None, **kwargs):
+        if max_sessions is not None and not (isinstance(max_sessions, int) and max_sessions >= 0):
+            raise ValueError(f"max_sessions must be an int >= 0, got {max_sessions!r}")
         self.llm_engine = getattr(llm_engine, "llm_engine", llm_engine)  # unwrap vllm.LLM
         try:
             self._rpc("genlm_discard_logprobs")
@@ -108,8 +110,6 @@ class AsyncVirtualLM(AsyncLM):
         )
         self._request_numbers = itertools.count()
         self.max_sessions = 2 * batch_size if max_sessions is None else max_sessions
-        if self.max_sessions < 0:
-            raise ValueError(f"max_sessions must be >= 0, got {max_sessions!r}")
         self._scheduler = _in_process_scheduler(self.llm_engine)
         self._sessions: OrderedDict[tuple[int, ...], str] = OrderedDict()  # context -> request id
         self._num_tokens_submitted = 0
