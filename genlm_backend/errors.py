@@ -28,6 +28,15 @@ class AssetFetchError(GenlmBackendError, RuntimeError):
     """
 
 
+class ModelNotFoundError(GenlmBackendError, FileNotFoundError):
+    """Raised when a model name resolves to nothing loadable.
+
+    Raised at once for a path that does not exist; for any other name, after
+    the local Hugging Face cache and one short request to the hub. The message
+    says what was tried and how to point at a local model.
+    """
+
+
 class VocabularyDecodeError(GenlmBackendError, ValueError):
     """Raised when the bytes of a token cannot be recovered from its tokenizer.
 

