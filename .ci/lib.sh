@@ -1,0 +1,24 @@
+# Step runner for .ci/run: `step NAME SCRIPT [ARGS...]` runs one step and
+# records its status and wall time; `report` prints them and exits non-zero
+# if any step failed.
+CI_STEP_RESULTS=()
+CI_FAILED=0
+
+step() {
+    local name="$1"; shift
+    local start=$SECONDS status
+    echo "::: step $name: $*"
+    bash "$@"
+    status=$?
+    local seconds=$((SECONDS - start))
+    [ "$status" -eq 0 ] || CI_FAILED=1
+    CI_STEP_RESULTS+=("$(printf '%-18s %-6s %5d s' "$name" "$([ "$status" -eq 0 ] && echo ok || echo FAILED)" "$seconds")")
+    echo "::: step $name: exit $status after $seconds s"
+}
+
+report() {
+    echo "::: CI summary (total $SECONDS s)"
+    printf '%s\n' "${CI_STEP_RESULTS[@]}"
+    exit "$CI_FAILED"
+}
+

