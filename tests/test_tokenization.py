@@ -33,12 +33,9 @@ def published_bytes_to_unicode() -> dict[int, str]:
 
 @pytest.fixture(scope="session")
 def deepseek_v3_tokenizer():
-    """DeepSeek-V3 built from its tokenizer.json alone.
-
-    ``AutoTokenizer`` in transformers 5 maps its ``LlamaTokenizerFast`` config to
-    ``LlamaTokenizer``, which replaces the byte-level pre-tokenizer and decoder by
-    SentencePiece ones: that object drops spaces (see test below).
-    """
+    """DeepSeek-V3 built from its tokenizer.json alone, whatever tokenizer class
+    its config names (some transformers releases rebuild that class with
+    SentencePiece decoding)."""
     from transformers import PreTrainedTokenizerFast
 
     path = assets.tokenizer_dir("deepseek_v3") / "tokenizer.json"
@@ -221,16 +218,14 @@ def test_gemma3_same_bytes_different_ids_stay_distinct(vocab_of):
         assert [index[byte_vocab[i]] for i in ids] == ids
 
 
-def test_deepseek_v3_autotokenizer_is_not_byte_level(vocab_of):
-    """transformers 5's AutoTokenizer gives DeepSeek-V3 SentencePiece decoding over a
-    byte-level vocabulary; decode_vocab follows the object it is handed, so its bytes
-    agree with that tokenizer's own decode, and differ from the byte-level ones."""
-    from transformers import AutoTokenizer
-
-    misloaded = AutoTokenizer.from_pretrained(str(assets.tokenizer_dir("deepseek_v3")))
-    _, right, _ = vocab_of("deepseek_v3")
-    wrong, _ = decode_vocab(misloaded)
-    the = misloaded.convert_tokens_to_ids("\u0120the")
-    assert right[the] == b" the"
-    assert wrong[the] == "\u0120the".encode("utf-8") == misloaded.decode([the]).encode("utf-8")
-    assert misloaded.decode(misloaded.encode("a b", add_special_tokens=False)) == "ab"
+def test_deepseek_v3_bytes_are_byte_level(vocab_of, load_test_tokenizer):
+    """DeepSeek-V3 is byte-level BPE: ``\u0120the`` is ``b" the"``, and the tokenizer
+    ``assets.load_tokenizer`` builds (whatever class transformers picks) has the
+    same exact bytes for every token and round-trips spaces."""
+    tokenizer, byte_vocab, _ = vocab_of("deepseek_v3")
+    the = tokenizer.convert_tokens_to_ids("\u0120the")
+    assert byte_vocab[the] == b" the"
+    assert byte_vocab[tokenizer.convert_tokens_to_ids("\u010a")] == b"\n"
+    loaded = load_test_tokenizer("deepseek_v3")
+    assert decode_vocab(loaded)[0] == byte_vocab
+    assert loaded.decode(loaded.encode("a b\n c", add_special_tokens=False)) == "a b\n c"
