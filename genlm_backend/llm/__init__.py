@@ -26,14 +26,10 @@ def __getattr__(name):
 
         return AsyncTransformer
     if name == "AsyncVirtualLM":
-        from genlm_backend.llm.loader import vllm_is_available
+        from genlm_backend.llm.loader import vllm_is_available, vllm_missing_error
 
         if not vllm_is_available():
-            from genlm_backend.errors import BackendNotAvailableError
-
-            raise BackendNotAvailableError(
-                "AsyncVirtualLM needs vLLM: pip install 'genlm-backend-ng[vllm]'"
-            )
+            raise vllm_missing_error("AsyncVirtualLM")
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM

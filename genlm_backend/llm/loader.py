@@ -16,6 +16,14 @@ def vllm_is_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_missing_error(what: str) -> BackendNotAvailableError:
+    """The error for ``what`` (e.g. ``"the vllm backend"``) without vLLM: how to install it."""
+    return BackendNotAvailableError(
+        f"{what} needs vLLM: on a CUDA machine run `pip install 'genlm-backend-ng[vllm]'`; "
+        f"on a CPU-only machine run `{INSTALL_COMMAND}` (vLLM's CPU build, keeping your torch)"
+    )
+
+
 def hf_is_available() -> bool:
     """Whether transformers and accelerate (needed to convert ``.gguf`` files) can be imported."""
     return all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
@@ -77,11 +85,7 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
         return AsyncTransformer.from_name(name, **llm_opts)
     if backend == "vllm":
         if not vllm_is_available():
-            raise BackendNotAvailableError(
-                "the vllm backend needs vLLM: on a CUDA machine run "
-                "`pip install 'genlm-backend-ng[vllm]'`; on a CPU-only machine run "
-                f"`{INSTALL_COMMAND}` (vLLM's CPU build, keeping your torch)"
-            )
+            raise vllm_missing_error("the vllm backend")
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM.from_name(name, **llm_opts)
