@@ -56,3 +56,13 @@ def test_the_check_finds_what_it_should():
     assert undefined_names("x = 1\nprint(x, y)\n") == {"y"}
     with pytest.raises(SyntaxError):
         compile("await f()\n", "<docs>", "exec")
+
+
+def test_the_api_reference_covers_every_backend_and_the_demo():
+    directives = re.findall(r"^::: (\S+)$", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE)
+    for module in directives:
+        path = ROOT.joinpath(*module.split("."))
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
+    required = {"genlm_backend.llm.hf", "genlm_backend.llm.vllm", "genlm_backend.llm.mock",
+                "genlm_backend.demo", "genlm_backend.cli", "genlm_backend.install_vllm"}
+    assert required <= set(directives)
