@@ -10,31 +10,36 @@ from genlm_backend.batching import BatchingConfig
 
 
 @pytest.mark.parametrize(
-    ("options", "field"),
+    ("options", "field", "error_type"),
     [
-        ({"max_batch_size": 0}, "max_batch_size"),
-        ({"max_batch_size": -3}, "max_batch_size"),
-        ({"max_batch_size": 2.0}, "max_batch_size"),
-        ({"max_batch_size": True}, "max_batch_size"),
-        ({"max_batch_tokens": 0}, "max_batch_tokens"),
-        ({"max_batch_tokens": "64"}, "max_batch_tokens"),
-        ({"timeout_s": -0.1}, "timeout_s"),
-        ({"timeout_s": float("nan")}, "timeout_s"),
-        ({"timeout_s": float("inf")}, "timeout_s"),
-        ({"timeout_s": "0.1"}, "timeout_s"),
-        ({"timeout_s": None}, "timeout_s"),
-        ({"flush_on_idle": 1}, "flush_on_idle"),
+        ({"max_batch_size": 0}, "max_batch_size", ValueError),
+        ({"max_batch_size": -3}, "max_batch_size", ValueError),
+        ({"max_batch_size": 2.0}, "max_batch_size", TypeError),
+        ({"max_batch_size": True}, "max_batch_size", TypeError),
+        ({"max_batch_tokens": 0}, "max_batch_tokens", ValueError),
+        ({"max_batch_tokens": "64"}, "max_batch_tokens", TypeError),
+        ({"timeout_s": -0.1}, "timeout_s", ValueError),
+        ({"timeout_s": float("nan")}, "timeout_s", ValueError),
+        ({"timeout_s": float("inf")}, "timeout_s", ValueError),
+        ({"timeout_s": "0.1"}, "timeout_s", TypeError),
+        ({"timeout_s": None}, "timeout_s", TypeError),
+        ({"flush_on_idle": 1}, "flush_on_idle", TypeError),
     ],
 )
-def test_rejects_a_bad_field_naming_it(options, field):
-    with pytest.raises(ValueError, match=rf"^{field} must be") as error:
+def test_rejects_a_bad_field_naming_it(options, field, error_type):
+    with pytest.raises(error_type, match=rf"^{field} must be") as error:
         BatchingConfig(**options)
     assert repr(next(iter(options.values()))) in str(error.value)
 
 
 def test_defaults_have_no_count_and_no_budget():
     config = BatchingConfig()
-    assert (config.max_batch_size, config.max_batch_tokens, config.timeout_s, config.flush_on_idle) == (
+    assert (
+        config.max_batch_size,
+        config.max_batch_tokens,
+        config.timeout_s,
+        config.flush_on_idle,
+    ) == (
         None,
         None,
         0.02,

@@ -80,7 +80,10 @@ async def test_cost_is_counted_once_per_distinct_key(recorder):
     assert batcher.stats.num_pending_tokens == 5  # "ab" counted once
     recorder.gate.set()
     assert await bounded(asyncio.gather(first, *waiting)) == [
-        "value:blocker", "value:ab", "value:ab", "value:cde",
+        "value:blocker",
+        "value:ab",
+        "value:ab",
+        "value:cde",
     ]
     assert calls == ["blocker", "ab", "cde"]
     assert batcher.stats.num_pending_tokens == 0
@@ -102,7 +105,9 @@ async def test_a_failing_cost_function_fails_only_its_caller(recorder):
 
     batcher = make_batcher(recorder, request_tokens=cost, max_batch_tokens=10, timeout_s=LONG_S)
     outcomes = await bounded(
-        asyncio.gather(*(batcher.submit(k) for k in ("a", "bad", "negative", "b")), return_exceptions=True)
+        asyncio.gather(
+            *(batcher.submit(k) for k in ("a", "bad", "negative", "b")), return_exceptions=True
+        )
     )
     assert outcomes[0] == "value:a" and outcomes[3] == "value:b"
     assert isinstance(outcomes[1], KeyError)
@@ -116,7 +121,9 @@ async def test_a_failing_cost_function_fails_only_its_caller(recorder):
 
 
 def reference(context) -> torch.Tensor:
-    return MockAsyncLM(byte_vocab=VOCAB, output_cache_bytes=0).next_token_logprobs_sync(list(context))
+    return MockAsyncLM(byte_vocab=VOCAB, output_cache_bytes=0).next_token_logprobs_sync(
+        list(context)
+    )
 
 
 async def test_lm_default_serves_a_burst_in_one_batch():

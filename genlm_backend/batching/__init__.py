@@ -26,4 +26,10 @@ from genlm_backend.batching.batcher import AutoBatcher, BatcherStats
 from genlm_backend.batching.config import DEFAULT_MAX_BATCH_TOKENS, BatchingConfig
 from genlm_backend.batching.loops import LoopBatchers
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "AutoBatcher", "BatcherStats", "BatchingConfig", "LoopBatchers"]
+__all__ = [
+    "DEFAULT_MAX_BATCH_TOKENS",
+    "AutoBatcher",
+    "BatcherStats",
+    "BatchingConfig",
+    "LoopBatchers",
+]

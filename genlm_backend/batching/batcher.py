@@ -10,38 +10,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from genlm_backend.batching.config import BatchingConfig
+from genlm_backend.batching.stats import BatcherStats
 from genlm_backend.errors import BatcherClosedError, BatcherWorkerDiedError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-
-
-@dataclass(frozen=True)
-class BatcherStats:
-    """A snapshot of an :class:`AutoBatcher`'s counters."""
-
-    num_requests: int
-    """Requests submitted (including deduplicated ones)."""
-    num_deduplicated: int
-    """Requests that joined an identical request already queued or computing."""
-    num_batches: int
-    """Calls of ``process_batch``."""
-    num_batched_keys: int
-    """Distinct keys sent to ``process_batch``, over all batches."""
-    num_failed_batches: int
-    """Batches whose ``process_batch`` raised."""
-    num_cancelled: int
-    """Requests whose caller was cancelled before the result arrived."""
-    num_pending: int
-    """Distinct keys queued and not yet dispatched."""
-    num_inflight: int
-    """Distinct keys in the batch computing now."""
-    num_pending_tokens: int
-    """Tokens (by the owner's cost function) of the keys queued and not yet dispatched."""
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.num_batched_keys / self.num_batches if self.num_batches else 0.0
 
 
 @dataclass
@@ -211,7 +184,7 @@ class AutoBatcher(Generic[K, V]):
         except asyncio.CancelledError:
             self._close_worker(None)
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any bug of the loop must close the batcher
             # Not re-raised: nobody awaits this task; the error reaches every caller instead.
             self._close_worker(exc)
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail callers, then propagate
@@ -227,7 +200,9 @@ class AutoBatcher(Generic[K, V]):
 
     def _take_batch(self) -> list[K]:
         """The keys of the next batch, in queue order, as the config's limits allow."""
-        length = self.config.next_batch_length(queued.num_tokens for queued in self._pending.values())
+        length = self.config.next_batch_length(
+            queued.num_tokens for queued in self._pending.values()
+        )
         return list(self._pending)[:length]
 
     async def _wait_for_flush(self) -> None:
@@ -299,7 +274,9 @@ class AutoBatcher(Generic[K, V]):
     def _fail_all(self) -> None:
         """Fail every queued and computing request with this batcher's closed error."""
         keys = list(self._pending) + list(self._inflight)
-        futures = [queued.future for queued in self._pending.values()] + list(self._inflight.values())
+        futures = [queued.future for queued in self._pending.values()] + list(
+            self._inflight.values()
+        )
         self._pending.clear()
         self._num_pending_tokens = 0
         for key, future in zip(keys, futures):

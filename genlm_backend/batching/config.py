@@ -40,9 +40,10 @@ class BatchingConfig:
         flush_on_idle: Dispatch as soon as a full event-loop pass added no request.
 
     Raises:
-        ValueError: a limit that is not a positive int or ``None``, a
-            ``timeout_s`` that is not a finite number >= 0, or a
-            ``flush_on_idle`` that is not a bool; the message names the field.
+        TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that
+            is not a number, a ``flush_on_idle`` that is not a bool.
+        ValueError: a limit < 1, a ``timeout_s`` < 0 or not finite.
+        Either message names the field and the value given.
     """
 
     max_batch_size: int | None = None
@@ -53,16 +54,20 @@ class BatchingConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if value is None:
+                continue
+            if not _is_int(value):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
         timeout_s = self.timeout_s
-        if not (isinstance(timeout_s, Real) and not isinstance(timeout_s, bool)) or not (
-            math.isfinite(timeout_s) and timeout_s >= 0
-        ):
-            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
+        if not isinstance(timeout_s, Real) or isinstance(timeout_s, bool):
+            raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ValueError(f"timeout_s must be finite and >= 0, got {timeout_s!r}")
         object.__setattr__(self, "timeout_s", float(timeout_s))
         if not isinstance(self.flush_on_idle, bool):
-            raise ValueError(f"flush_on_idle must be a bool, got {self.flush_on_idle!r}")
+            raise TypeError(f"flush_on_idle must be a bool, got {self.flush_on_idle!r}")
 
     def is_full(self, num_requests: int, num_tokens: int) -> bool:
         """Whether ``num_requests`` waiting requests of ``num_tokens`` tokens fill a batch."""
@@ -78,14 +83,18 @@ class BatchingConfig:
         num_taken = num_tokens = 0
         for tokens in request_tokens:
             fits_count = self.max_batch_size is None or num_taken < self.max_batch_size
-            fits_budget = self.max_batch_tokens is None or num_tokens + tokens <= self.max_batch_tokens
+            fits_budget = (
+                self.max_batch_tokens is None or num_tokens + tokens <= self.max_batch_tokens
+            )
             if num_taken and not (fits_count and fits_budget):
                 break
             num_taken += 1
             num_tokens += tokens
         return num_taken
 
-    def split(self, keys: Sequence[K], request_tokens: Callable[[K], int] | None = None) -> list[list[K]]:
+    def split(
+        self, keys: Sequence[K], request_tokens: Callable[[K], int] | None = None
+    ) -> list[list[K]]:
         """``keys`` cut into consecutive batches, as a batcher would dispatch them all at once.
 
         ``request_tokens`` gives a key's cost in tokens (``None``: 1 each).

@@ -53,7 +53,10 @@ class LoopBatchers(Generic[K, V]):
         # object was made, whatever the threads that submit work use.
         num_threads = _torch_num_threads()
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=thread_name, initializer=_set_torch_num_threads, initargs=(num_threads,)
+            max_workers=1,
+            thread_name_prefix=thread_name,
+            initializer=_set_torch_num_threads,
+            initargs=(num_threads,),
         )
         self._batchers: dict[asyncio.AbstractEventLoop, AutoBatcher[K, V]] = {}
         self.num_worker_deaths = 0
@@ -71,7 +74,10 @@ class LoopBatchers(Generic[K, V]):
             for old_loop in [old for old in self._batchers if old.is_closed()]:
                 del self._batchers[old_loop]
             batcher = AutoBatcher(
-                self._process_batch, self.config, request_tokens=self._request_tokens, executor=self._executor
+                self._process_batch,
+                self.config,
+                request_tokens=self._request_tokens,
+                executor=self._executor,
             )
             self._batchers[loop] = batcher
         return batcher

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genlm_backend.batching import DEFAULT_MAX_BATCH_TOKENS, AutoBatcher, BatcherStats, BatchingConfig, LoopBatchers
+from genlm_backend.batching import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    AutoBatcher,
+    BatcherStats,
+    BatchingConfig,
+    LoopBatchers,
+)
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.sampling import sample_token
