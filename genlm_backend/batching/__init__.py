@@ -22,9 +22,10 @@ on an unexpected error) fail with :class:`~genlm_backend.errors.BatcherClosedErr
 and so does every later request to it.
 """
 
-from genlm_backend.batching.batcher import AutoBatcher, BatcherStats
+from genlm_backend.batching.batcher import AutoBatcher
 from genlm_backend.batching.config import DEFAULT_MAX_BATCH_TOKENS, BatchingConfig
 from genlm_backend.batching.loops import LoopBatchers
+from genlm_backend.batching.stats import BatcherStats
 
 __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",

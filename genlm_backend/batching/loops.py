@@ -9,8 +9,9 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from genlm_backend.batching.batcher import AutoBatcher, BatcherStats
+from genlm_backend.batching.batcher import AutoBatcher
 from genlm_backend.batching.config import BatchingConfig
+from genlm_backend.batching.stats import BatcherStats
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
