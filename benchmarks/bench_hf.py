@@ -161,6 +161,8 @@ def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: 
     for _ in range(repeats):
         for v in variants:
             runs[v].append(spawn(v, particles, steps, model_dir, batch_size, baseline_tree))
+            # Each run as it ends, on stderr: a long benchmark cut short still leaves its raw numbers.
+            print(f"{particles}x{steps} {v}: {runs[v][-1].get('seconds', 'error')}", file=sys.stderr, flush=True)
     results = []
     for variant_runs in runs.values():
         good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
