@@ -8,7 +8,11 @@ variant runs in its own process (clean peak RSS):
 
 * ``floor``: a plain batched decode loop with a transformers DynamicCache
   (one forward of N tokens per step): the cost of the model alone.
-* ``ours``: ``genlm_backend.AsyncTransformer`` with default settings.
+* ``ours``: ``genlm_backend.AsyncTransformer`` with default settings (no
+  ``batch_size``: each batch takes every waiting context within the token
+  budget), or with ``--batch-size``.
+* ``baseline``: ``ours`` as another checkout of this repository runs it
+  (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
   from its own virtualenv (``benchmarks/upstream_env.sh``), without and with
   ``cache_kv`` on the prompt.
@@ -17,6 +21,7 @@ Usage::
 
     python benchmarks/bench_hf.py                      # 16x32 and 64x128
     python benchmarks/bench_hf.py --workloads 16x32 --variants floor ours
+    python benchmarks/bench_hf.py --workloads 1x32 --variants floor baseline ours --baseline-tree ../main
 """
 
 from __future__ import annotations
@@ -124,8 +129,17 @@ def _run_ours(particles: int, steps: int, model_dir: str, batch_size: int | None
     return seconds, stats
 
 
-def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None) -> dict:
-    if variant.startswith("upstream"):
+def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None,
+          baseline_tree: Path | None = None) -> dict:
+    tree = HERE.parent
+    if variant == "baseline":
+        if baseline_tree is None:
+            return {"variant": variant, "error": "the baseline variant needs --baseline-tree"}
+        tree = baseline_tree.resolve()
+        command = [sys.executable, str(tree / "benchmarks" / "bench_hf.py"), "--child", "ours"]
+        if batch_size:
+            command += ["--batch-size", str(batch_size)]
+    elif variant.startswith("upstream"):
         if not UPSTREAM_PYTHON.exists():
             return {"variant": variant, "error": f"no upstream venv at {UPSTREAM_PYTHON}; run benchmarks/upstream_env.sh"}
         command = [str(UPSTREAM_PYTHON), str(HERE / "upstream_hf_driver.py"), "--cache-kv" if "cache_kv" in variant else "--no-cache-kv"]
@@ -134,18 +148,21 @@ def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: 
         if batch_size:
             command += ["--batch-size", str(batch_size)]
     command += ["--particles", str(particles), "--steps", str(steps), "--model-dir", model_dir]
-    result = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE.parent)})
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)})
     if result.returncode != 0:
         return {"variant": variant, "error": result.stderr[-1500:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1]) | {"variant": variant}
 
 
-def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str, batch_size=None) -> list[dict]:
+def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str, batch_size=None,
+                 baseline_tree=None) -> list[dict]:
     """Run every variant ``repeats`` times, interleaved (each run a fresh process); keep each variant's median run."""
     runs = {v: [] for v in variants}
     for _ in range(repeats):
         for v in variants:
-            runs[v].append(spawn(v, particles, steps, model_dir, batch_size))
+            runs[v].append(spawn(v, particles, steps, model_dir, batch_size, baseline_tree))
+            # Each run as it ends, on stderr: a long benchmark cut short still leaves its raw numbers.
+            print(f"{particles}x{steps} {v}: {runs[v][-1].get('seconds', 'error')}", file=sys.stderr, flush=True)
     results = []
     for variant_runs in runs.values():
         good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
@@ -161,12 +178,13 @@ def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "baseline"))
+    parser.add_argument("--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs")
     parser.add_argument("--child", choices=("floor", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, default=None, help="AsyncTransformer batch_size for 'ours' (default: the library's, 20)")
+    parser.add_argument("--batch-size", type=int, default=None, help="AsyncTransformer batch_size for 'ours' (default: none, the library's count-free policy)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; the median is reported")
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
     args = parser.parse_args(argv)
@@ -180,12 +198,12 @@ def main(argv=None) -> None:
     results = []
     print(f"# bench_hf: SmolLM2-135M fp32, 2 threads, {platform.processor() or platform.machine()}")
     print(f"median of {args.repeats} runs per variant, each in a fresh process; "
-          f"ours with batch_size={args.batch_size or 'default (20)'}")
+          f"ours with {f'batch_size={args.batch_size}' if args.batch_size else 'default settings (no batch_size)'}")
     print("| particles x steps | variant | seconds (median) | vs floor | all runs (s) | peak RSS (MB) | mean batch | tokens computed / requested |")
     print("|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
         particles, steps = map(int, workload.split("x"))
-        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir, args.batch_size)]
+        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir, args.batch_size, args.baseline_tree)]
         floor = next((r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None)
         for r in rows:
             results.append(r)

@@ -13,6 +13,15 @@ class BatcherClosedError(GenlmBackendError, RuntimeError):
     """
 
 
+class BatcherWorkerDiedError(BatcherClosedError):
+    """Raised for the requests of a batcher whose worker task stopped on an unexpected error.
+
+    Every request pending in that batcher, and any later one submitted to it,
+    gets this error; its ``__cause__`` is the worker's error. The backends and
+    the async trie then serve their next request with a fresh batcher.
+    """
+
+
 class BackendNotAvailableError(GenlmBackendError, ImportError):
     """Raised when an optional backend (e.g. vLLM) is asked for but not installed.
 

@@ -350,7 +350,6 @@ async def test_output_cache_holds_only_the_rows_it_accounts_for(llm):
 
 async def test_aclose_fails_pending_requests_and_later_use():
     llm = make_llm(timeout_s=60.0)
-    llm.batch_size = 100
     pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
     await asyncio.sleep(0)
     await asyncio.wait_for(llm.aclose(), 10)
@@ -384,9 +383,7 @@ async def test_async_with_closes():
 
 
 async def test_reset_async_queries_keeps_the_backend_usable(llm):
-    llm.timeout_s = 60.0
-    llm.batch_size = 100
-    await llm.next_token_logprobs([2])  # creates this loop's batcher with the options above
+    await llm.next_token_logprobs([2])
     pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
     await asyncio.sleep(0)
     await asyncio.wait_for(llm.reset_async_queries(), 10)

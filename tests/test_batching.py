@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from genlm_backend.batching import AutoBatcher, BatcherStats
+from genlm_backend.batching import AutoBatcher, BatcherStats, BatchingConfig
 from genlm_backend.errors import BatcherClosedError
 
 LONG_S = 60.0  # a timeout no test waits for: reaching it would fail the test's own bound
@@ -51,6 +51,12 @@ class Recorder:
         return [key for batch in self.batches for key in batch]
 
 
+def make_batcher(process_batch, executor=None, request_tokens=None, **options) -> AutoBatcher:
+    return AutoBatcher(
+        process_batch, BatchingConfig(**options), request_tokens=request_tokens, executor=executor
+    )
+
+
 def bounded(awaitable):
     return asyncio.wait_for(awaitable, BOUND_S)
 
@@ -68,27 +74,16 @@ def assert_settled(batcher: AutoBatcher) -> None:
 # ---------------------------------------------------------------- construction
 
 
-async def test_rejects_bad_options(running_recorder):
-    with pytest.raises(ValueError, match="batch_size"):
-        AutoBatcher(running_recorder, batch_size=0, timeout_s=1)
-    with pytest.raises(ValueError, match="batch_size"):
-        AutoBatcher(running_recorder, batch_size=2.0, timeout_s=1)
-    with pytest.raises(ValueError, match="timeout_s"):
-        AutoBatcher(running_recorder, batch_size=1, timeout_s=-0.1)
-    with pytest.raises(ValueError, match="timeout_s"):
-        AutoBatcher(running_recorder, batch_size=1, timeout_s=float("nan"))
-
-
 def test_needs_a_running_loop():
     with pytest.raises(RuntimeError):
-        AutoBatcher(lambda keys: keys, batch_size=1, timeout_s=1)
+        AutoBatcher(lambda keys: keys, BatchingConfig(max_batch_size=1, timeout_s=1))
 
 
 # ---------------------------------------------------------------- flush policy
 
 
 async def test_flushes_at_batch_size(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
     results = await bounded(asyncio.gather(*(batcher.submit(k) for k in range(6))))
     assert results == [f"value:{k}" for k in range(6)]
     assert running_recorder.batches == [[0, 1, 2], [3, 4, 5]]
@@ -98,7 +93,7 @@ async def test_flushes_at_batch_size(running_recorder):
 
 async def test_timeout_flushes_a_lone_request(running_recorder):
     timeout_s = 0.2
-    batcher = AutoBatcher(running_recorder, batch_size=8, timeout_s=timeout_s, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=timeout_s, flush_on_idle=False)
     start = time.monotonic()
     assert await bounded(batcher.submit("lonely")) == "value:lonely"
     elapsed_s = time.monotonic() - start
@@ -112,7 +107,7 @@ async def test_timeout_flushes_a_lone_request(running_recorder):
 
 async def test_idle_flush_forms_one_batch_per_lockstep_step(running_recorder):
     num_tasks, num_steps = 8, 5
-    batcher = AutoBatcher(running_recorder, batch_size=100, timeout_s=LONG_S)
+    batcher = make_batcher(running_recorder, max_batch_size=100, timeout_s=LONG_S)
 
     async def particle(i: int) -> list:
         return [await batcher.submit((i, step)) for step in range(num_steps)]
@@ -130,7 +125,7 @@ async def test_idle_flush_forms_one_batch_per_lockstep_step(running_recorder):
 
 
 async def test_deduplicates_queued_keys(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     results = await bounded(asyncio.gather(*(batcher.submit(k) for k in "aaba")))
     assert results == ["value:a", "value:a", "value:b", "value:a"]
     assert running_recorder.batches == [["a", "b"]]
@@ -140,7 +135,7 @@ async def test_deduplicates_queued_keys(running_recorder):
 
 
 async def test_deduplicates_a_key_in_flight(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
     running_recorder.block()
     first = asyncio.ensure_future(batcher.submit("a"))
     assert await bounded(running_recorder.started) == ["a"]
@@ -160,7 +155,7 @@ async def test_deduplicates_a_key_in_flight(running_recorder):
 
 
 async def test_process_batch_runs_off_the_event_loop(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S)
+    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S)
     running_recorder.block()
     request = asyncio.ensure_future(batcher.submit("k"))
     await bounded(running_recorder.started)
@@ -178,7 +173,7 @@ async def test_uses_the_given_executor(running_recorder):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="batcher-test") as executor:
-        batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=0, executor=executor)
+        batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=0, executor=executor)
         assert await bounded(batcher.submit(1)) == "value:1"
         await batcher.aclose()
     assert running_recorder.threads[0].name.startswith("batcher-test")
@@ -188,7 +183,7 @@ async def test_uses_the_given_executor(running_recorder):
 
 
 async def test_cancelled_caller_in_flight_does_not_break_others(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     running_recorder.block()
     cancelled = asyncio.ensure_future(batcher.submit("a"))
     survivor = asyncio.ensure_future(batcher.submit("b"))
@@ -209,7 +204,7 @@ async def test_cancelled_caller_in_flight_does_not_break_others(running_recorder
 
 
 async def test_key_cancelled_before_dispatch_is_never_computed(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     doomed = asyncio.ensure_future(batcher.submit("doomed"))
     await asyncio.sleep(0)  # let it enqueue
     assert batcher.stats.num_pending == 1
@@ -227,7 +222,7 @@ async def test_key_cancelled_before_dispatch_is_never_computed(running_recorder)
 
 
 async def test_deduplicated_key_survives_one_cancelled_waiter_before_dispatch(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     leaver = asyncio.ensure_future(batcher.submit("k"))
     stayer = asyncio.ensure_future(batcher.submit("k"))
     await asyncio.sleep(0)
@@ -244,7 +239,7 @@ async def test_deduplicated_key_survives_one_cancelled_waiter_before_dispatch(ru
 
 
 async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
     running_recorder.block()
     leaver = asyncio.ensure_future(batcher.submit("k"))
     stayer = asyncio.ensure_future(batcher.submit("k"))
@@ -263,7 +258,7 @@ async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_
 
 async def test_exception_fails_exactly_its_batch(running_recorder):
     running_recorder.fail_on = "bad"
-    batcher = AutoBatcher(running_recorder, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     outcomes = await bounded(
         asyncio.gather(*(batcher.submit(k) for k in ["bad", "a", "b", "c"]), return_exceptions=True)
     )
@@ -287,7 +282,7 @@ async def test_wrong_number_of_values_fails_that_batch(running_recorder):
         calls.append(list(keys))
         return [f"value:{k}" for k in keys][: -1 if len(calls) == 1 else None]
 
-    batcher = AutoBatcher(short_by_one, batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(short_by_one, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
     outcomes = await bounded(
         asyncio.gather(batcher.submit("a"), batcher.submit("b"), return_exceptions=True)
     )
@@ -306,7 +301,7 @@ async def test_wrong_number_of_values_fails_that_batch(running_recorder):
 
 
 async def test_aclose_fails_pending_and_later_requests(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=4, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=4, timeout_s=LONG_S, flush_on_idle=False)
     pending = asyncio.ensure_future(batcher.submit("a"))
     await asyncio.sleep(0)
     assert batcher.stats.num_pending == 1
@@ -322,7 +317,7 @@ async def test_aclose_fails_pending_and_later_requests(running_recorder):
 
 
 async def test_aclose_fails_a_batch_in_flight_at_once(running_recorder):
-    batcher = AutoBatcher(running_recorder, batch_size=1, timeout_s=LONG_S)
+    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S)
     running_recorder.block()
     in_flight = asyncio.ensure_future(batcher.submit("a"))
     await bounded(running_recorder.started)
@@ -334,7 +329,7 @@ async def test_aclose_fails_a_batch_in_flight_at_once(running_recorder):
 
 
 async def test_async_with_closes(running_recorder):
-    async with AutoBatcher(running_recorder, batch_size=1, timeout_s=0) as batcher:
+    async with make_batcher(running_recorder, max_batch_size=1, timeout_s=0) as batcher:
         assert await bounded(batcher.submit(1)) == "value:1"
     assert batcher.is_closed
     with pytest.raises(BatcherClosedError):
@@ -346,7 +341,7 @@ async def test_async_with_closes(running_recorder):
 
 async def test_stats_count_everything(running_recorder):
     running_recorder.fail_on = "bad"
-    batcher = AutoBatcher(running_recorder, batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
     keys = ["a", "b", "a", "c", "bad", "d", "d", "e"]
     outcomes = await bounded(
         asyncio.gather(*(batcher.submit(k) for k in keys), return_exceptions=True)
@@ -364,6 +359,7 @@ async def test_stats_count_everything(running_recorder):
         num_cancelled=0,
         num_pending=0,
         num_inflight=0,
+        num_pending_tokens=0,
     )
     assert stats.mean_batch_size == 3.0
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -373,7 +369,7 @@ async def test_stats_count_everything(running_recorder):
 
 async def test_nothing_left_behind_after_a_mixed_workload(running_recorder):
     running_recorder.fail_on = 13
-    batcher = AutoBatcher(running_recorder, batch_size=4, timeout_s=0.005)
+    batcher = make_batcher(running_recorder, max_batch_size=4, timeout_s=0.005)
     tasks = [asyncio.ensure_future(batcher.submit(k % 20)) for k in range(60)]
     await asyncio.sleep(0)  # every task submits before some are cancelled
     for task in tasks[::7]:
@@ -394,7 +390,7 @@ async def test_nothing_left_behind_after_a_mixed_workload(running_recorder):
 def test_loop_batchers_forget_finished_loops():
     from genlm_backend.batching import LoopBatchers
 
-    batchers = LoopBatchers(lambda keys: keys, batch_size=4, timeout_s=0.01)
+    batchers = LoopBatchers(lambda keys: keys, BatchingConfig(max_batch_size=4, timeout_s=0.01))
 
     async def use():
         return await batchers.current().submit("k")

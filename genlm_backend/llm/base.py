@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
+from genlm_backend.batching import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    AutoBatcher,
+    BatcherStats,
+    BatchingConfig,
+    LoopBatchers,
+)
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.sampling import sample_token
@@ -96,8 +102,11 @@ class AsyncLM(ABC):
 
     Args:
         tokenizer: The model's Hugging Face tokenizer.
-        batch_size: Most distinct contexts per model batch.
-        timeout_s: Most seconds a request waits for its batch to fill.
+        batch_size: Most distinct contexts per model batch; ``None`` (default):
+            no count limit, a batch takes every waiting context within ``max_batch_tokens``.
+        timeout_s: Most seconds a request waits for company before its batch goes.
+        max_batch_tokens: Most context tokens (summed lengths) per model batch;
+            ``None`` for no budget. A longer context alone goes alone.
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
@@ -109,15 +118,18 @@ class AsyncLM(ABC):
         self,
         tokenizer,
         *,
-        batch_size: int = 20,
+        batch_size: int | None = None,
         timeout_s: float = 0.02,
+        max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         max_context_length: int | None = None,
         device: str | torch.device = "cpu",
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
     ):
-        check_batching_options(batch_size, timeout_s)
+        self.batching = BatchingConfig(
+            max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, timeout_s=timeout_s
+        )
         self.tokenizer = tokenizer
         if byte_vocab is None:
             from genlm_backend.tokenization import decode_vocab
@@ -127,14 +139,12 @@ class AsyncLM(ABC):
             str_vocab = [b.decode("utf-8", errors="replace") for b in byte_vocab]
         self.byte_vocab = list(byte_vocab)
         self.str_vocab = list(str_vocab)
-        self.batch_size = batch_size
-        self.timeout_s = float(timeout_s)
         self.max_context_length = max_context_length
         self.device = torch.device(device)
         self.output_cache = OutputCache(output_cache_bytes)
         self._compute_lock = threading.Lock()
         self._batchers: LoopBatchers[RequestKey, torch.Tensor] = LoopBatchers(
-            self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-model"
+            self._process_batch, self.batching, request_tokens=_context_tokens, thread_name="genlm-model"
         )
         self._is_closed = False
         self._num_requests = 0
@@ -178,6 +188,16 @@ class AsyncLM(ABC):
     def vocab_size(self) -> int:
         """``len(byte_vocab)``: the length of every returned row."""
         return len(self.byte_vocab)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Most distinct contexts per model batch (``None``: no count limit); see :attr:`batching`."""
+        return self.batching.max_batch_size
+
+    @property
+    def timeout_s(self) -> float:
+        """Most seconds a request waits for company; see :attr:`batching`."""
+        return self.batching.timeout_s
 
     @property
     def batcher_stats(self) -> BatcherStats | None:
@@ -303,8 +323,7 @@ class AsyncLM(ABC):
             if row is not None:
                 rows[key] = row
         missing = [key for key in dict.fromkeys(keys) if key not in rows]
-        for start in range(0, len(missing), self.batch_size):
-            chunk = missing[start : start + self.batch_size]
+        for chunk in self.batching.split(missing, _context_tokens):
             rows.update(zip(chunk, self._process_batch(chunk)))
         return torch.stack([rows[key] for key in keys])  # stack copies: caller owns it
 
@@ -426,3 +445,8 @@ class AsyncLM(ABC):
 def _wait_until_unlocked(lock: threading.Lock) -> None:
     with lock:  # acquired and released in this thread, even if the awaiting task is cancelled
         pass
+
+
+def _context_tokens(key: RequestKey) -> int:
+    """A request's cost against the batch token budget: its context length."""
+    return len(key[1])

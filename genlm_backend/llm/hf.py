@@ -29,8 +29,10 @@ class AsyncTransformer(AsyncLM):
     Args:
         hf_model: A transformers causal LM (eval mode is set).
         hf_tokenizer: Its tokenizer.
-        batch_size: Most distinct contexts per forward pass.
-        timeout: Most seconds a request waits for its batch to fill.
+        batch_size: Most distinct contexts per forward pass; ``None`` (default):
+            every waiting context within the ``max_batch_tokens`` budget.
+        timeout: Most seconds a request waits for company (``timeout_s`` of
+            :class:`~genlm_backend.batching.BatchingConfig`).
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
@@ -40,7 +42,7 @@ class AsyncTransformer(AsyncLM):
         self,
         hf_model,
         hf_tokenizer,
-        batch_size: int = 20,
+        batch_size: int | None = None,
         timeout: float = 0.02,
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,

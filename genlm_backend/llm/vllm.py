@@ -77,17 +77,20 @@ class AsyncVirtualLM(AsyncLM):
         llm_engine: An engine from :func:`build_capture_engine` (or a
             ``vllm.LLM`` wrapping one).
         tokenizer: The model's Hugging Face tokenizer; the engine's when omitted.
-        batch_size: Most distinct contexts per engine batch.
-        timeout: Most seconds a request waits for its batch to fill.
+        batch_size: Most distinct contexts per engine batch; ``None`` (default):
+            every waiting context within the ``max_batch_tokens`` budget.
+        timeout: Most seconds a request waits for company (``timeout_s`` of
+            :class:`~genlm_backend.batching.BatchingConfig`).
         max_sessions: Most particle sessions kept open (each holds its keys/values
-            in vLLM's KV cache); ``None``: twice ``batch_size``; 0 turns sessions off.
+            in vLLM's KV cache); ``None``: twice ``batch_size``, or as many as the
+            scheduler has request slots when ``batch_size`` is ``None``; 0 turns sessions off.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
         ValueError: the engine was not built for capture.
     """
 
-    def __init__(self, llm_engine, tokenizer=None, batch_size: int = 64, timeout: float = 0.02,
+    def __init__(self, llm_engine, tokenizer=None, batch_size: int | None = None, timeout: float = 0.02,
                  *, max_sessions: int | None = None, **kwargs):
         if max_sessions is not None and not (isinstance(max_sessions, int) and max_sessions >= 0):
             raise ValueError(f"max_sessions must be an int >= 0, got {max_sessions!r}")
@@ -109,8 +112,8 @@ class AsyncVirtualLM(AsyncLM):
             **kwargs,
         )
         self._request_numbers = itertools.count()
-        self.max_sessions = 2 * batch_size if max_sessions is None else max_sessions
         self._scheduler = _in_process_scheduler(self.llm_engine)
+        self.max_sessions = _default_max_sessions(batch_size, self._scheduler) if max_sessions is None else max_sessions
         self._sessions: OrderedDict[tuple[int, ...], str] = OrderedDict()  # context -> request id
         self._num_tokens_submitted = 0
 
@@ -345,3 +348,10 @@ def _cleanup_vllm_process_state() -> None:
 
     if num_live_stores() == 0:
         cleanup_dist_env_and_memory()
+
+
+def _default_max_sessions(batch_size: int | None, scheduler) -> int:
+    """Twice an explicit ``batch_size``; otherwise every request slot of the scheduler."""
+    if batch_size is not None:
+        return 2 * batch_size
+    return 0 if scheduler is None else scheduler.max_num_active_reqs

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
+from genlm_backend.batching import AutoBatcher, BatcherStats, BatchingConfig, LoopBatchers
 from genlm_backend.errors import BatcherClosedError
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
@@ -37,16 +37,20 @@ class AsyncTokenCharacterTrie:
     Args:
         trie: The :class:`TokenCharacterTrie` or :class:`ParallelTokenCharacterTrie` to run.
         batch_size: Most requests per batch.
-        timeout_s: Most seconds a request waits for its batch to fill.
+        timeout_s: Most seconds a request waits for company before its batch goes.
+
+    Raises:
+        ValueError: ``batch_size`` or ``timeout_s`` out of range (see
+            :class:`~genlm_backend.batching.BatchingConfig`).
     """
 
     def __init__(self, trie: TokenCharacterTrie, *, batch_size: int = 64, timeout_s: float = 0.02):
-        check_batching_options(batch_size, timeout_s)
+        self.batching = BatchingConfig(max_batch_size=batch_size, timeout_s=timeout_s)
         self.trie = trie
         self.batch_size = batch_size
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = self.batching.timeout_s
         self._batchers: LoopBatchers[_TrieRequest, object] = LoopBatchers(
-            self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-trie"
+            self._process_batch, self.batching, thread_name="genlm-trie"
         )
         self._is_closed = False
 

@@ -1,0 +1,310 @@
+"""AutoBatcher: concurrent ``await submit(key)`` calls in, batched calls of a synchronous function out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from genlm_backend.batching.config import BatchingConfig
+from genlm_backend.batching.stats import BatcherStats
+from genlm_backend.errors import BatcherClosedError, BatcherWorkerDiedError
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+@dataclass
+class _Queued:
+    """A distinct key waiting for dispatch."""
+
+    future: asyncio.Future
+    queued_at: float
+    num_tokens: int
+
+
+class AutoBatcher(Generic[K, V]):
+    """Batches concurrent ``await submit(key)`` calls into ``process_batch(keys)``.
+
+    One batcher serves one event loop: it is created inside a running loop
+    and its worker task lives on that loop. When and how much it dispatches
+    is set by a :class:`BatchingConfig`.
+
+    A batcher is closed by :meth:`aclose`, by its loop cancelling its worker,
+    or by an unexpected error in the worker's own loop (not in
+    ``process_batch``, which fails only its batch). Once closed, pending and
+    new requests fail with :class:`~genlm_backend.errors.BatcherClosedError`
+    (:class:`~genlm_backend.errors.BatcherWorkerDiedError` when the worker died);
+    the owner makes a new batcher (:class:`LoopBatchers` does so on the next request).
+
+    Args:
+        process_batch: Synchronous function; gets a list of distinct keys and
+            returns one value per key, in order. Runs in ``executor``'s thread.
+        config: The batching policy; default: dispatch everything waiting on
+            an idle loop, within 20 ms.
+        request_tokens: A key's cost in tokens, against ``config.max_batch_tokens``;
+            called once per distinct key, at submission. ``None``: 1 per key.
+        executor: Where ``process_batch`` runs; ``None`` means the loop's
+            default executor.
+
+    Raises:
+        RuntimeError: no running event loop.
+    """
+
+    def __init__(
+        self,
+        process_batch: Callable[[list[K]], Sequence[V]],
+        config: BatchingConfig | None = None,
+        *,
+        request_tokens: Callable[[K], int] | None = None,
+        executor: Executor | None = None,
+    ):
+        self._loop = asyncio.get_running_loop()
+        self._process_batch = process_batch
+        self.config = BatchingConfig() if config is None else config
+        self._request_tokens = request_tokens
+        self._executor = executor
+        self._pending: dict[K, _Queued] = {}  # insertion order = queue order
+        self._num_pending_tokens = 0
+        self._inflight: dict[K, asyncio.Future] = {}
+        self._num_waiters: dict[asyncio.Future, int] = {}  # per computation, not per key
+        self._arrived = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+        self._is_closed = False
+        self._worker_error: BaseException | None = None
+        self._counts = dict.fromkeys(
+            ("requests", "deduplicated", "batches", "batched_keys", "failed", "cancelled"), 0
+        )
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    @property
+    def worker_error(self) -> BaseException | None:
+        """The unexpected error that stopped the worker, ``None`` while it lives or after a normal close."""
+        return self._worker_error
+
+    @property
+    def stats(self) -> BatcherStats:
+        c = self._counts
+        return BatcherStats(
+            num_requests=c["requests"],
+            num_deduplicated=c["deduplicated"],
+            num_batches=c["batches"],
+            num_batched_keys=c["batched_keys"],
+            num_failed_batches=c["failed"],
+            num_cancelled=c["cancelled"],
+            num_pending=len(self._pending),
+            num_inflight=len(self._inflight),
+            num_pending_tokens=self._num_pending_tokens,
+        )
+
+    async def submit(self, key: K) -> V:
+        """Wait for ``process_batch``'s value for ``key``.
+
+        Raises:
+            BatcherClosedError: the batcher is (or gets) closed before the value.
+            BatcherWorkerDiedError: the batcher's worker died (a ``BatcherClosedError``).
+            Exception: whatever ``process_batch`` raised for this key's batch, or
+                ``request_tokens`` raised for this key.
+        """
+        future = self._enqueue_nowait(key)
+        self._num_waiters[future] = self._num_waiters.get(future, 0) + 1
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self._counts["cancelled"] += 1
+            raise
+        finally:
+            self._release_waiter(key, future)
+
+    def _enqueue_nowait(self, key: K) -> asyncio.Future:
+        if self._is_closed:
+            raise self._closed_error()
+        queued = self._pending.get(key)
+        future = queued.future if queued is not None else self._inflight.get(key)
+        if future is not None:
+            self._counts["requests"] += 1
+            self._counts["deduplicated"] += 1
+            return future
+        num_tokens = 1 if self._request_tokens is None else self._request_tokens(key)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"request_tokens gave {num_tokens!r} for a key; expected an int >= 0")
+        self._counts["requests"] += 1
+        future = self._loop.create_future()
+        self._pending[key] = _Queued(future, time.monotonic(), num_tokens)
+        self._num_pending_tokens += num_tokens
+        self._arrived.set()
+        if self._worker is None:
+            self._worker = self._loop.create_task(self._serve(), name="AutoBatcher worker")
+        return future
+
+    def _closed_error(self) -> BatcherClosedError:
+        if self._worker_error is None:
+            return BatcherClosedError("the batcher is closed; create a new one")
+        error = BatcherWorkerDiedError(
+            f"the batcher's worker stopped on an unexpected error ({self._worker_error!r}); "
+            "this batcher serves no more requests, create a new one"
+        )
+        error.__cause__ = self._worker_error
+        return error
+
+    def _release_waiter(self, key: K, future: asyncio.Future) -> None:
+        remaining = self._num_waiters[future] - 1
+        if remaining:
+            self._num_waiters[future] = remaining
+            return
+        del self._num_waiters[future]
+        # Nobody waits for a computation that is still queued: drop it before it costs model work.
+        queued = self._pending.get(key)
+        if queued is not None and queued.future is future and not future.done():
+            self._unqueue(key)
+            future.cancel()
+
+    def _unqueue(self, key: K) -> asyncio.Future:
+        queued = self._pending.pop(key)
+        self._num_pending_tokens -= queued.num_tokens
+        return queued.future
+
+    # ------------------------------------------------------------------ worker
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                await self._wait_for_flush()
+                await self._run_batch(self._take_batch())
+        except asyncio.CancelledError:
+            self._close_worker(None)
+            raise
+        except Exception as exc:  # noqa: BLE001 - any bug of the loop must close the batcher
+            # Not re-raised: nobody awaits this task; the error reaches every caller instead.
+            self._close_worker(exc)
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail callers, then propagate
+            self._close_worker(exc)
+            raise
+
+    def _close_worker(self, error: BaseException | None) -> None:
+        """Mark the batcher closed (recording why, if the worker died) and fail every pending request."""
+        if not self._is_closed and error is not None:
+            self._worker_error = error
+        self._is_closed = True
+        self._fail_all()
+
+    def _take_batch(self) -> list[K]:
+        """The keys of the next batch, in queue order, as the config's limits allow."""
+        length = self.config.next_batch_length(
+            queued.num_tokens for queued in self._pending.values()
+        )
+        return list(self._pending)[:length]
+
+    async def _wait_for_flush(self) -> None:
+        while True:
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            if self.config.is_full(len(self._pending), self._num_pending_tokens):
+                return
+            oldest = next(iter(self._pending.values()))
+            remaining_s = oldest.queued_at + self.config.timeout_s - time.monotonic()
+            if remaining_s <= 0:
+                return
+            if self.config.flush_on_idle and await self._loop_went_idle():
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining_s)
+            except TimeoutError:
+                pass
+
+    async def _loop_went_idle(self) -> bool:
+        """True when one full event-loop pass added no request."""
+        num_before = self._counts["requests"]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return self._counts["requests"] == num_before and bool(self._pending)
+
+    async def _run_batch(self, keys: list[K]) -> None:
+        if not keys:
+            return
+        futures = [self._unqueue(key) for key in keys]
+        self._inflight.update(zip(keys, futures))
+        self._counts["batches"] += 1
+        self._counts["batched_keys"] += len(keys)
+        try:
+            values = await self._loop.run_in_executor(self._executor, self._process_batch, keys)
+            if len(values) != len(keys):
+                raise RuntimeError(
+                    f"process_batch returned {len(values)} values for {len(keys)} keys"
+                )
+        except asyncio.CancelledError:
+            self._settle(keys, futures, error=BatcherClosedError("the batcher was closed"))
+            raise
+        except BaseException as exc:
+            self._counts["failed"] += 1
+            self._settle(keys, futures, error=exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._settle(keys, futures, values=values)
+
+    def _settle(self, keys, futures, *, values=None, error=None) -> None:
+        """The one place where request futures get their outcome."""
+        for i, (key, future) in enumerate(zip(keys, futures)):
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(values[i])
+        # An exception nobody awaited (every waiter cancelled) must not be logged as lost.
+        for future in futures:
+            if future.done() and not future.cancelled():
+                future.exception()
+
+    def _fail_all(self) -> None:
+        """Fail every queued and computing request with this batcher's closed error."""
+        keys = list(self._pending) + list(self._inflight)
+        futures = [queued.future for queued in self._pending.values()] + list(
+            self._inflight.values()
+        )
+        self._pending.clear()
+        self._num_pending_tokens = 0
+        for key, future in zip(keys, futures):
+            self._settle([key], [future], error=self._closed_error())
+
+    # ------------------------------------------------------------------ closing
+
+    async def aclose(self) -> None:
+        """Stop serving: fail every pending request with :class:`BatcherClosedError`.
+
+        A batch already computing in the worker thread runs to completion in
+        its thread, but its callers get :class:`BatcherClosedError` at once.
+        Idempotent.
+        """
+        if self._is_closed and self._worker is None:
+            return
+        self._is_closed = True
+        worker, self._worker = self._worker, None
+        if worker is not None and not worker.done():
+            worker.cancel()
+            try:
+                await worker
+            except asyncio.CancelledError:
+                pass
+        self._fail_all()
+
+    async def __aenter__(self) -> AutoBatcher[K, V]:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
