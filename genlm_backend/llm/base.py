@@ -158,29 +158,36 @@ class AsyncLM:
             self._num_cache_hits += 1
         return row
 
-    def _process_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        """Compute distinct requests (of one adapter or several) and fill the output cache."""
+    def _process_batch(self, requests: list[Request]) -> list[torch.Tensor | ValueError]:
+        """Compute distinct requests (of one adapter or several) and fill the output cache.
+
+        A request whose adapter was removed or re-registered since the call is
+        not computed: its slot holds the ``ValueError`` its caller gets.
+        """
         with self._compute_lock:
             self._check_open()
-            rows = list(self.runner.run(requests).unbind(0))
+            current = [request for request in requests if self.adapters.is_current(request.adapter)]
+            rows = dict(zip(current, self.runner.run(current).unbind(0))) if current else {}
             self._num_batches += 1
-            self._num_contexts_computed += len(requests)
-            for request, row in zip(requests, rows):
-                if self.adapters.is_current(request.adapter):  # not re-registered while it waited
-                    self.output_cache.put(request, row)
-        return rows
+            self._num_contexts_computed += len(current)
+            for request, row in rows.items():
+                self.output_cache.put(request, row)
+        return [rows[request] if request in rows else _replaced_adapter_error(request) for request in requests]
 
     async def _submit(self, request: Request) -> torch.Tensor:
         row = self._cached(request)
         if row is not None:
             return row
         try:
-            return await self._batchers.current().submit(request)
+            row = await self._batchers.current().submit(request)
         except Exception as exc:
             # Whatever a closing backend made the batch fail with, the caller should learn why.
             if self._is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
             raise
+        if isinstance(row, ValueError):
+            raise row
+        return row
 
     def _batcher(self) -> AutoBatcher:
         """The running event loop's batcher."""
@@ -228,6 +235,9 @@ class AsyncLM:
         for start in range(0, len(missing), self.batch_size):
             chunk = missing[start : start + self.batch_size]
             rows.update(zip(chunk, self._process_batch(chunk)))
+        for row in rows.values():
+            if isinstance(row, ValueError):
+                raise row
         return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
 
     def next_token_logprobs_uncached(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
@@ -421,6 +431,12 @@ class AsyncLM:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _replaced_adapter_error(request: Request) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {request.adapter.name!r} was removed or re-registered while this request waited"
+    )
 
 
 def _wait_until_unlocked(lock: threading.Lock) -> None:

@@ -12,7 +12,10 @@ class PeftAdapters:
     """The peft adapters loaded into one model, by name.
 
     The model is wrapped in a ``peft.PeftModel`` when the first adapter is
-    loaded (:attr:`model` follows). Each registration is remembered as its
+    loaded and unwrapped when the last one is unloaded (:attr:`model`
+    follows). Inside peft, each registration has its own name
+    (:func:`peft_name`), so weights are never mixed up across registrations
+    of one name. Each registration is remembered as its
     :class:`~genlm_backend.llm.runner.Adapter`, so a request made under weights
     that were since replaced or removed fails instead of running under others.
     """
@@ -31,14 +34,15 @@ class PeftAdapters:
             from peft import PeftModel
         except ImportError as exc:
             raise ImportError("LoRA adapters need peft: pip install peft") from exc
-        if adapter.name in self._loaded:
-            self._delete(adapter.name)
+        old = self._loaded.get(adapter.name)
         if isinstance(self.model, PeftModel):
-            self.model.load_adapter(adapter.path, adapter_name=adapter.name)
+            self.model.load_adapter(adapter.path, adapter_name=peft_name(adapter))
         else:
-            self.model = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=adapter.name)
+            self.model = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=peft_name(adapter))
         self.model.eval()
         self._loaded[adapter.name] = adapter
+        if old is not None:
+            self.model.delete_adapter(peft_name(old))
 
     def unload(self, adapter: Adapter) -> None:
         """Delete ``adapter``'s weights if they are the ones loaded under its name."""
@@ -46,10 +50,13 @@ class PeftAdapters:
             self._delete(adapter.name)
 
     def _delete(self, name: str) -> None:
-        del self._loaded[name]
-        if self._loaded and self.model.active_adapter == name:
-            self.model.set_adapter(next(iter(self._loaded)))  # peft keeps one adapter active
-        self.model.delete_adapter(name)
+        adapter = self._loaded.pop(name)
+        if not self._loaded:
+            self.model = self.model.unload()  # the base model, LoRA layers removed
+            return
+        if self.model.active_adapter == peft_name(adapter):
+            self.model.set_adapter(peft_name(next(iter(self._loaded.values()))))  # peft keeps one active
+        self.model.delete_adapter(peft_name(adapter))
 
     @contextmanager
     def active(self, adapter: Adapter | None) -> Iterator[None]:
@@ -69,5 +76,10 @@ class PeftAdapters:
             raise ValueError(
                 f"LoRA adapter {adapter.name!r} was removed or re-registered while this request waited"
             )
-        self.model.set_adapter(adapter.name)
+        self.model.set_adapter(peft_name(adapter))
         yield
+
+
+def peft_name(adapter: Adapter) -> str:
+    """The name a registration has inside peft: unique per registration."""
+    return f"genlm_adapter_{adapter.version}"
