@@ -35,6 +35,21 @@ def available_backends() -> list[str]:
     return sorted(["mock", *(name for name, present in optional.items() if present)])
 
 
+class UnavailableVirtualLM:
+    """Stands for ``AsyncVirtualLM`` where vLLM is not installed: importing works, building raises.
+
+    Raises:
+        BackendNotAvailableError: on construction and on :meth:`from_name`, with the install hint.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise vllm_missing_error("AsyncVirtualLM")
+
+    @classmethod
+    def from_name(cls, *args, **kwargs):
+        return cls()
+
+
 def default_backend() -> str:
     """``"vllm"`` when CUDA and vLLM are both available, else ``"hf"``."""
     import torch
