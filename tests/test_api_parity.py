@@ -55,13 +55,11 @@ print(json.dumps(outcome))
 
 
 def test_reset_async_queries_needs_no_await():
-    llm = MockAsyncLM(byte_vocab=SMALL_VOCAB)
+    llm = MockAsyncLM(byte_vocab=SMALL_VOCAB, timeout_s=60.0, batch_size=100)
     assert not inspect.iscoroutinefunction(llm.reset_async_queries)
     assert llm.reset_async_queries() is None  # outside a loop: nothing is pending
 
     async def main():
-        llm.timeout_s = 60.0
-        llm.batch_size = 100
         await llm.next_token_logprobs([1])  # this loop's batcher, with the long timeout
         pending = asyncio.ensure_future(llm.next_token_logprobs([2]))
         await asyncio.sleep(0)
@@ -104,7 +102,7 @@ def parameters(function) -> list[tuple[str, object]]:
     "function, expected",
     [
         (AsyncTransformer.__init__, [("self", inspect._empty), ("hf_model", inspect._empty),
-                                     ("hf_tokenizer", inspect._empty), ("batch_size", 20), ("timeout", 0.02)]),
+                                     ("hf_tokenizer", inspect._empty), ("batch_size", None), ("timeout", 0.02)]),
         (AsyncTransformer.from_name, [("model_id", None), ("bitsandbytes_opts", None), ("hf_opts", None)]),
         (MockAsyncLM.__init__, [("self", inspect._empty), ("tokenizer", None)]),
         (MockAsyncLM.from_name, [("model_name", None)]),

@@ -99,9 +99,8 @@ async def test_a_batch_mixing_adapters_matches_each_adapters_forward(llm, adapte
 
 async def test_kv_is_stored_under_the_requests_adapter_not_the_default_at_batch_time(llm, adapter_paths, references):
     llm.add_new_lora(adapter_paths[0], "a")
-    llm.timeout_s = 60.0
     context = [21, 22, 23, 24, 25, 26]
-    await llm.next_token_logprobs([1])  # this loop's batcher, with the long timeout
+    await llm.next_token_logprobs([1])  # this loop's batcher exists before the request queues
     queued = asyncio.ensure_future(llm.next_token_logprobs(context))  # base model
     await asyncio.sleep(0)  # validated and queued, not yet computed
     llm.set_lora(lora_name="a")  # later default calls run under "a"
@@ -169,7 +168,6 @@ async def test_unknown_adapter_fails_only_its_caller(llm, adapter_paths, referen
 
 async def test_a_request_waiting_while_its_adapter_is_replaced_fails_alone(llm, adapter_paths, references):
     llm.add_new_lora(adapter_paths[0], "a")
-    llm.timeout_s = 60.0
     await llm.next_token_logprobs([1])
     waiting = asyncio.ensure_future(llm.next_token_logprobs([7, 8, 9], lora_name="a"))
     await asyncio.sleep(0)  # queued under the first registration of "a"
