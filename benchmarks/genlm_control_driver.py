@@ -1,0 +1,119 @@
+"""One process of the genlm-control regex-SMC benchmark, on whichever backend imports.
+
+genlm-control imports ``genlm.backend``. When genlm_backend (with its
+``genlm_backend.alias`` module) is importable, the alias is installed first and
+genlm-control runs on genlm_backend; otherwise ``genlm.backend`` is upstream
+genlm-backend 0.3.1. ``bench_genlm_control.py`` runs this script in two
+virtualenvs and compares them; it prints one JSON line on stdout.
+
+Modes:
+
+* ``time``: one warm-up SMC run (seed ``--warmup-seed``, not timed), then one
+  timed run per ``--seeds`` value. Each run starts with the model's caches
+  cleared, so every timed run does the same work as the first.
+* ``score``: next-token log-probabilities of the contexts in ``--contexts``
+  (a JSON list of token-id lists), saved as a float64 ``.npy`` to ``--scores-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+try:  # genlm_backend serves `import genlm.backend` when it is installed
+    from genlm_backend.alias import install as install_alias
+
+    install_alias()
+    BACKEND_NAME = "genlm_backend"
+except ImportError:
+    BACKEND_NAME = "genlm-backend 0.3.1"
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from genlm.backend.llm import AsyncTransformer
+from genlm.control import AWRS, BoolFSA, PromptedLLM
+
+REQUEST = "Make up a work email address for Jane Doe, who works at Example Corp. Answer with the address only."
+EMAIL_REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
+
+
+def build_sampler(model_dir: str, seed: int) -> tuple[AsyncTransformer, PromptedLLM, AWRS]:
+    """The language model, the prompted potential and an AWRS sampler constrained by the regex."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = AsyncTransformer(model, tokenizer)
+    potential = PromptedLLM(llm)
+    potential.prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": REQUEST}], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )
+    condition = BoolFSA.from_regex(EMAIL_REGEX).coerce(potential, f=b"".join)
+    return llm, potential, AWRS(potential, condition, seed=seed)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+async def run_smc(llm, sampler: AWRS, seed: int, particles: int, max_tokens: int) -> dict:
+    """One SMC run from cold model caches; returns its time and what it sampled."""
+    llm.clear_cache()
+    seed_everything(seed)
+    sampler.rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    sequences = await sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens)
+    seconds = time.perf_counter() - start
+    tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
+    return {
+        "seed": seed,
+        "seconds": seconds,
+        "token_ids": [[t.token_id for t in ctx] for ctx in tokens],
+        "texts": [b"".join(t.byte_string for t in ctx).decode("utf-8", "replace") for ctx in tokens],
+        "log_weights": [float(w) for w in sequences.log_weights],
+        "log_ml": float(sequences.log_ml),
+    }
+
+
+async def time_runs(args) -> dict:
+    llm, potential, sampler = build_sampler(args.model_dir, args.warmup_seed)
+    await run_smc(llm, sampler, args.warmup_seed, args.particles, args.max_tokens)
+    runs = [await run_smc(llm, sampler, seed, args.particles, args.max_tokens) for seed in args.seeds]
+    return {"backend": BACKEND_NAME, "prompt_ids": list(potential.prompt_ids), "runs": runs}
+
+
+async def score_contexts(args) -> dict:
+    llm, _, _ = build_sampler(args.model_dir, args.warmup_seed)
+    with open(args.contexts) as handle:
+        contexts = json.load(handle)
+    rows = await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
+    scores = torch.stack([row.detach().to(torch.float64).cpu() for row in rows]).numpy()
+    np.save(args.scores_out, scores)
+    return {"backend": BACKEND_NAME, "num_contexts": len(contexts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["time", "score"])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--particles", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--warmup-seed", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
+    parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work = time_runs if args.mode == "time" else score_contexts
+    print(json.dumps(asyncio.run(work(args))))
+
+
+if __name__ == "__main__":
+    main()
