@@ -22,7 +22,7 @@ start=$(date +%s)
 backend="${CLIENTS_BACKEND:-ours}"
 venv="${CLIENTS_VENV:-/tmp/clients-venv}"
 work="${CLIENTS_WORK:-/tmp/clients-work}"
-suites="${CLIENTS_SUITES:-control bytes llamppl upstream}"
+suites="${CLIENTS_SUITES-control bytes llamppl upstream}"
 python="$venv/bin/python"
 mkdir -p "$work"
 
