@@ -2,7 +2,7 @@
 
 The HF runner always passes a 4-D mask. With a mask, transformers' ``sdpa``
 function repeats each key/value head for every query head it serves; the
-runner's function (``genlm_backend.llm.hf_runner._grouped_kv_attention``)
+runner's function (``genlm_backend.llm.hf_compat.grouped_kv_attention``)
 keeps them grouped. Same model, same cache contents, same mask, same process;
 the two are interleaved and the median of ``--repeats`` timings is reported,
 with the largest difference between their logits.
@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from genlm_backend.llm.hf_runner import _adopt, _grouped_kv_attention
+from genlm_backend.llm.hf_compat import adopt as _adopt, grouped_kv_attention as _grouped_kv_attention
 from genlm_backend.models import default_model_dir
 
 

@@ -16,6 +16,7 @@ import torch
 
 from genlm_backend.errors import BackendClosedError, BatcherClosedError
 from genlm_backend.llm import LMStats, MockAsyncLM
+from genlm_backend.llm.runner import Request
 
 SMALL_VOCAB = [bytes([b]) for b in b"abcdefghijkl"]
 V = len(SMALL_VOCAB)
@@ -340,7 +341,7 @@ async def test_clear_cache_forces_recomputation(llm):
 async def test_output_cache_holds_only_the_rows_it_accounts_for(llm):
     await llm.batch_next_token_logprobs([[1], [2], [3], [4]])
     for context in ([1], [2], [3], [4]):
-        row = llm.output_cache.get((None, tuple(context)))
+        row = llm.output_cache.get(Request(None, tuple(context)))
         # A row that is a view of its whole batch would keep [B, V] alive for V floats of budget.
         assert row.untyped_storage().nbytes() == V * row.element_size()
 

@@ -289,7 +289,7 @@ async def test_lock_step_particles_extend_their_block_in_place_and_stay_exact(ti
 
 async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(tiny_llama, monkeypatch):
     """On CPU the runner's masked attention calls SDPA with grouped key/value heads, not repeated ones."""
-    from genlm_backend.llm import hf_runner
+    from genlm_backend.llm import hf_compat as hf_runner
 
     model, tokenizer = tiny_llama
     assert model.config.num_key_value_heads < model.config.num_attention_heads
@@ -320,7 +320,7 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_repeated_heads():
     """The same attention as transformers' ``sdpa`` function under a ragged additive mask, prefill and decode."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from genlm_backend.llm.hf_runner import _sdpa_grouped_kv
+    from genlm_backend.llm.hf_compat import _sdpa_grouped_kv
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from genlm_backend import assets
 from genlm_backend.errors import VocabularyDecodeError
-from genlm_backend.tokenization import STR_FALLBACKS, decode_vocab
+from genlm_backend.tokenization import BYTE2STR_FALLBACKS, STR_FALLBACKS, decode_vocab
 from tests.test_tokenization import published_bytes_to_unicode
 
 CORPUS = [
@@ -181,17 +181,40 @@ def test_slow_sentencepiece_specials(slow_sentencepiece):
 # ---------------------------------------------------------------- fallbacks and errors
 
 
+def reference_strings(tokenizer, byte_vocab, fallback: str) -> list[str]:
+    """Each token's UTF-8 string, or the fallback spelled out per token (brute force)."""
+    strings = []
+    for token_id, token in enumerate(byte_vocab):
+        if _is_utf8(token):
+            strings.append(bytes(token).decode("utf-8"))
+        elif fallback == "tokenizer":
+            strings.append(tokenizer.convert_ids_to_tokens(token_id))
+        elif fallback == "latin1":
+            strings.append("".join(map(chr, token)))
+        else:
+            strings.append(bytes(token).decode("utf-8", fallback))
+    return strings
+
+
 def test_str_fallbacks(sentencepiece_style):
-    tokenizer, byte_vocab, _ = sentencepiece_style
+    tokenizer, byte_vocab, default_strings = sentencepiece_style
     lone = tokenizer.convert_tokens_to_ids("<0x80>")
-    expected = {"replace": "\ufffd", "surrogateescape": "\udc80", "backslashreplace": "\\x80"}
+    expected = {
+        "tokenizer": "<0x80>",
+        "latin1": "\x80",
+        "replace": "\ufffd",
+        "surrogateescape": "\udc80",
+        "backslashreplace": "\\x80",
+    }
+    assert default_strings == reference_strings(tokenizer, byte_vocab, "tokenizer")
     for fallback, spelled in expected.items():
-        _, str_vocab = decode_vocab(tokenizer, str_fallback=fallback)
+        _, str_vocab = decode_vocab(tokenizer, fallback)
+        _, by_old_name = decode_vocab(tokenizer, str_fallback=fallback)
         assert str_vocab[lone] == spelled
-        assert str_vocab[tokenizer.convert_tokens_to_ids("<0x41>")] == "A"
-    _, lossless = decode_vocab(tokenizer, str_fallback="surrogateescape")
+        assert str_vocab == by_old_name == reference_strings(tokenizer, byte_vocab, fallback)
+    _, lossless = decode_vocab(tokenizer, byte2str_fallback="surrogateescape")
     assert [s.encode("utf-8", "surrogateescape") for s in lossless] == byte_vocab
-    assert set(STR_FALLBACKS) == {*expected, "strict"}
+    assert set(STR_FALLBACKS) == set(BYTE2STR_FALLBACKS) == {*expected, "strict"}
 
 
 def test_strict_fallback_names_the_first_invalid_token(sentencepiece_style):
@@ -211,8 +234,13 @@ def _is_utf8(data: bytes) -> bool:
 
 
 def test_unknown_str_fallback_is_rejected(sentencepiece_style):
-    with pytest.raises(ValueError, match="str_fallback"):
-        decode_vocab(sentencepiece_style[0], str_fallback="latin-1")
+    tokenizer = sentencepiece_style[0]
+    with pytest.raises(ValueError, match="Unknown byte2str_fallback strategy: 'latin-1'"):
+        decode_vocab(tokenizer, str_fallback="latin-1")
+    with pytest.raises(ValueError, match="Unknown byte2str_fallback strategy: 'invalid'"):
+        decode_vocab(tokenizer, byte2str_fallback="invalid")
+    with pytest.raises(ValueError, match="not both"):
+        decode_vocab(tokenizer, "latin1", str_fallback="replace")
 
 
 def test_wordpiece_decoder_is_refused():

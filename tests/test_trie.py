@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.tokenization import decode_vocab
+from genlm_backend.tokenization import Token, decode_vocab
 from genlm_backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
 
 
@@ -54,12 +54,18 @@ def random_weights(num_tokens: int, seed: int, num_rows: int = 2):
     return np.exp(logprobs), logprobs
 
 
+def as_tokens(byte_strings) -> list[Token]:
+    return [Token(token_id, bytes(data)) for token_id, data in enumerate(byte_strings)]
+
+
 def check_against_brute_force(vocab, nodes=None, seed=0, num_rows=2):
     """Compare both implementations with the reference on ``nodes`` (None: every internal node)."""
+    vocab = as_tokens(vocab)
     sequential = TokenCharacterTrie(vocab)
     parallel = ParallelTokenCharacterTrie(vocab, device="cpu")
     members = token_ids_by_prefix(list(map(bytes, vocab)))
-    assert sorted(members) == sorted(sequential.node2prefix[: sequential.num_internal_nodes])
+    internal = range(sequential.num_internal_nodes)
+    assert sorted(members) == sorted(sequential.node2prefix[node] for node in internal)
     if nodes is None:
         nodes = np.arange(sequential.num_internal_nodes)
     prefixes = [sequential.node2prefix[node] for node in nodes]
@@ -67,9 +73,10 @@ def check_against_brute_force(vocab, nodes=None, seed=0, num_rows=2):
     seq_sum = sequential.batch_weight_sum(probs)
     seq_max = sequential.batch_weight_max(logprobs)
     seq_lse = sequential.batch_weight_logsumexp(logprobs)
-    par_sum = parallel.batch_weight_sum(torch.from_numpy(probs)).numpy()
-    par_max = parallel.batch_weight_max(torch.from_numpy(logprobs)).numpy()
-    par_lse = parallel.batch_weight_logsumexp(torch.from_numpy(logprobs)).numpy()
+    par_sum = parallel.batch_weight_sum(torch.from_numpy(probs))
+    par_max = parallel.batch_weight_max(torch.from_numpy(logprobs))
+    par_lse = parallel.batch_weight_logsumexp(torch.from_numpy(logprobs))
+    assert all(type(result) is np.ndarray for result in (par_sum, par_max, par_lse))
     for row in range(len(probs)):
         ref_sum, _, _ = brute_force(members, prefixes, probs[row])
         _, ref_max, ref_lse = brute_force(members, prefixes, logprobs[row])
@@ -124,7 +131,7 @@ def test_qwen3_vocabulary_sampled_nodes(load_test_tokenizer):
 
 
 def test_identical_and_empty_tokens_keep_their_own_leaves():
-    vocab = [b"ab", b"ab", b"", b"a", b"", b"abc"]
+    vocab = as_tokens([b"ab", b"ab", b"", b"a", b"", b"abc"])
     trie = check_against_brute_force(vocab)
     check_structure(trie)
     assert len(set(trie.token_id_to_leaf.tolist())) == len(vocab)
@@ -136,7 +143,7 @@ def test_identical_and_empty_tokens_keep_their_own_leaves():
 
 
 def test_max_of_negative_and_all_minus_inf_weights():
-    vocab = [b"a", b"ab", b"b"]
+    vocab = as_tokens([b"a", b"ab", b"b"])
     ws = np.array([-3.0, -1.0, -np.inf])
     for trie in (TokenCharacterTrie(vocab), ParallelTokenCharacterTrie(vocab, device="cpu")):
         maxima = np.asarray(trie.weight_max(ws))
@@ -152,10 +159,11 @@ def test_single_token_vocabulary():
     for vocab in ([b""], [b"xyz"]):
         trie = check_against_brute_force(vocab)
         assert trie.weight_max(np.array([-2.5]))[trie.root] == -2.5
+        assert trie.word2leaf == {(vocab[0], 0): trie.token_id_to_leaf[0]}
 
 
 def test_logsumexp_does_not_underflow_where_exp_would():
-    vocab = [b"a", b"ab", b"b"]
+    vocab = as_tokens([b"a", b"ab", b"b"])
     ws = np.array([-1000.0, -1001.0, -2000.0])
     for trie in (TokenCharacterTrie(vocab), ParallelTokenCharacterTrie(vocab, device="cpu")):
         lse = np.asarray(trie.weight_logsumexp(ws))
@@ -182,7 +190,7 @@ def test_random_small_vocabularies(vocab, seed):
 def test_parallel_on_cuda_matches_sequential(gpt2_tokenizer):
     vocab, _ = decode_vocab(gpt2_tokenizer)
     sequential = TokenCharacterTrie(vocab)
-    parallel = ParallelTokenCharacterTrie(vocab, device="cuda")
+    parallel = ParallelTokenCharacterTrie(vocab, device="cuda", output="tensor")
     probs, logprobs = random_weights(len(vocab), seed=3, num_rows=8)
     got_sum = parallel.batch_weight_sum(torch.from_numpy(probs).cuda())
     got_max = parallel.batch_weight_max(torch.from_numpy(logprobs).cuda())

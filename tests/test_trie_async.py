@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from genlm_backend.errors import BatcherClosedError
+from genlm_backend.tokenization.token import make_tokens
 from genlm_backend.trie import (
     AsyncTokenCharacterTrie,
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,
 )
 
-VOCAB = [b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"]
+VOCAB = make_tokens([b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"])
 
 
 class RecordingTrie(ParallelTokenCharacterTrie):

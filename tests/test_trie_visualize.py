@@ -6,9 +6,10 @@ import graphviz
 import numpy as np
 import pytest
 
+from genlm_backend.tokenization.token import make_tokens
 from genlm_backend.trie import TokenCharacterTrie
 
-VOCAB = [b"a", b"ab", b"abc", b"b", b"ab", b"\n"]
+VOCAB = make_tokens([b"a", b"ab", b"abc", b"b", b"ab", b"\n"])
 
 
 def test_whole_trie_with_weights():

@@ -209,6 +209,61 @@ class KVPrefixTree:
             del node.parent.children[node.token]
             node = node.parent
 
+    def commit(self, block: KVBlock, placements: Sequence[tuple[Sequence[int], int, int]], namespace: Hashable = None) -> bool:
+        """Keep a computed block: each ``(context, row, start)`` becomes an entry over ``row``'s slots from ``start``.
+
+        A new block is first made room for (see :meth:`reserve`); if it does
+        not fit, nothing is kept and ``False`` is returned. Records where each
+        row's written slots end, which :meth:`extendable_block` relies on.
+        """
+        if block.num_live_entries == 0 and not self.reserve(block.nbytes):
+            return False
+        for context, row, start in placements:
+            block.row_ends[row] = start + len(context)
+            self.insert(context, KVEntry(block, row, start, len(context)), namespace)
+        return True
+
+    @staticmethod
+    def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
+        """The block a batch of one-token steps may write into in place, or ``None``.
+
+        ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
+        row ``i`` extends, by one token, the whole context held by row ``i`` of
+        one block; those contexts all end at the same slot, which is their
+        row's last written slot (so the slot written now belongs to no other
+        entry), and a free slot is left. That is the SMC step without
+        resampling; anything else is copied into a new block.
+        """
+        first = steps[0][0] if steps else None
+        if first is None:
+            return None
+        block, end = first.block, first.start + first.length
+        if len(block.row_ends) != len(steps) or end >= block.num_slots:
+            return None
+        for i, (entry, reused) in enumerate(steps):
+            if (
+                entry is None or entry.block is not block or entry.row != i or reused != entry.length
+                or entry.start + entry.length != end or block.row_ends[i] != end
+            ):
+                return None
+        return block
+
+    def drop_namespace(self, namespace: Hashable) -> int:
+        """Evict every entry of ``namespace`` (e.g. an adapter being unloaded); returns how many."""
+        root = self._roots.pop(namespace, None)
+        if root is None:
+            return 0
+        doomed = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node.entry is not None:
+                doomed.append(node.entry)
+            stack.extend(node.children.values())
+        for entry in doomed:
+            self._evict(entry, prune=False)
+        return len(doomed)
+
     def evict_to_budget(self) -> None:
         """Evict least recently used entries until the live blocks fit the budget."""
         while self._bytes_held > self.budget_bytes and self._lru:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +81,14 @@ class OutputCache:
                 self._num_evictions += 1
             self._entries[key] = value
             self._bytes_held += size
+
+    def discard_if(self, predicate: Callable[[Hashable], bool]) -> int:
+        """Drop every entry whose key satisfies ``predicate``; returns how many were dropped."""
+        with self._lock:
+            doomed = [key for key in self._entries if predicate(key)]
+            for key in doomed:
+                self._bytes_held -= self._nbytes(self._entries.pop(key))
+        return len(doomed)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,96 +1,69 @@
-"""The AsyncLM contract every backend honours.
+"""The one :class:`AsyncLM`: contract, validation, output cache, batcher, sync bridge, sampling, stats.
 
-A backend subclasses :class:`AsyncLM` and implements one synchronous method,
-:meth:`AsyncLM._compute_logprobs` (a batch of distinct contexts in, a
-``[B, V]`` tensor out). Everything else lives here, once: input validation,
-the output cache, the auto-batcher, the sync bridge, sampling and statistics.
+Model work is delegated to a :class:`~genlm_backend.llm.runner.Runner`
+(HF, vLLM or mock). The data path of one request::
 
-The data path of one request::
+    next_token_logprobs(ids, lora_name) -> validate -> Request(adapter, context)
+        -> output cache -> AutoBatcher -> worker thread: _process_batch
+        -> runner.run(requests) -> output cache -> clone
 
-    next_token_logprobs(ids) -> validate -> output cache -> AutoBatcher
-        -> worker thread: _process_batch -> _compute_logprobs -> output cache -> clone
+The adapter is resolved once, at the call, and travels in the request: it is
+part of the batcher's, the output cache's and the KV tree's key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm import sampling
+from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.runner import Request, Runner
 from genlm_backend.llm.sampling import sample_token
+from genlm_backend.llm.stats import LMStats
 from genlm_backend.llm.validation import TokenIds, as_list_of_contexts, validate_token_ids
 
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
-RequestKey = tuple[Hashable, tuple[int, ...]]  # (cache namespace, context)
-
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
-@dataclass(frozen=True)
-class LMStats:
-    """A snapshot of an :class:`AsyncLM`'s counters."""
-
-    num_requests: int
-    """Validated next-token requests (async, sync and batch, one per context)."""
-    num_batches: int
-    """Batches the model computed (async and sync)."""
-    num_contexts_computed: int
-    """Contexts sent to the model, over all batches."""
-    num_output_cache_hits: int
-    """Requests answered from the output cache (identical concurrent requests that share
-    one computation are neither hits nor computed contexts)."""
-    num_tokens_requested: int
-    """Sum of the lengths of all requested contexts: what an uncached model would run."""
-    num_tokens_computed: int
-    """Tokens the model ran: for ``AsyncTransformer`` exactly (prefix reuse included); for
-    other backends the lengths of the contexts sent to the model (vLLM's own prefix cache
-    may run fewer). Output-cache hits and deduplicated requests cost none."""
-    output_cache_bytes: int
-    """Bytes of log-probability rows held by the output cache."""
-    kv_cache_bytes: int
-    """Bytes of keys/values held for prefix reuse (0 for backends without one)."""
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.num_contexts_computed / self.num_batches if self.num_batches else 0.0
-
-
-class AsyncLM(ABC):
+class AsyncLM:
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
 
-    Output contract, for every backend and model:
+    Output contract, for every runner and model:
 
     * ``float32`` tensor of shape ``[len(byte_vocab)]`` (``[B, len(byte_vocab)]``
       for batch calls) on :attr:`device`;
     * normalized: ``logsumexp == 0`` within 1e-5; logit columns beyond the
-      tokenizer's vocabulary are dropped and tokens the model cannot produce
-      are ``-inf``;
+      tokenizer's vocabulary are dropped and tokens the model cannot produce are ``-inf``;
     * each call returns a fresh tensor: mutating it never changes a later result.
 
     Input contract: a context is a non-empty sequence of ints in
     ``[0, len(byte_vocab))`` no longer than :attr:`max_context_length`;
     anything else raises ``TypeError``/``ValueError`` for that caller only,
-    before any model work (see :func:`validate_token_ids`).
+    before any model work (see :func:`validate_token_ids`). ``lora_name``
+    names an adapter registered with :meth:`add_new_lora`; ``None`` means the
+    default adapter, which is the base model unless :meth:`set_lora` chose one.
 
     Concurrency: concurrent ``await``\\ s on one event loop are batched by an
     :class:`~genlm_backend.batching.AutoBatcher`; model work runs in one worker
     thread, so the loop stays responsive. The ``*_sync`` methods compute
-    directly in the calling thread and work with or without a running loop
-    (scripts, notebooks). An object may serve several ``asyncio.run`` calls in
-    turn: each event loop gets its own batcher.
+    directly in the calling thread and work with or without a running loop.
+    An object may serve several ``asyncio.run`` calls in turn.
+
+    ``AsyncTransformer``, ``AsyncVirtualLM`` and ``MockAsyncLM`` build one
+    with their runner; ``AsyncLM(tokenizer, runner)`` takes any other.
 
     Args:
-        tokenizer: The model's Hugging Face tokenizer.
+        tokenizer: The model's Hugging Face tokenizer (``None`` with ``byte_vocab`` given).
+        runner: What computes batches; a subclass may attach it after construction.
         batch_size: Most distinct contexts per model batch.
         timeout_s: Most seconds a request waits for its batch to fill.
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
@@ -103,6 +76,7 @@ class AsyncLM(ABC):
     def __init__(
         self,
         tokenizer,
+        runner: Runner | None = None,
         *,
         batch_size: int = 20,
         timeout_s: float = 0.02,
@@ -122,50 +96,20 @@ class AsyncLM(ABC):
             str_vocab = [b.decode("utf-8", errors="replace") for b in byte_vocab]
         self.byte_vocab = list(byte_vocab)
         self.str_vocab = list(str_vocab)
+        self.runner = runner
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
         self.max_context_length = max_context_length
         self.device = torch.device(device)
         self.output_cache = OutputCache(output_cache_bytes)
+        self.adapters = AdapterRegistry()
         self._compute_lock = threading.Lock()
-        self._batchers: LoopBatchers[RequestKey, torch.Tensor] = LoopBatchers(
+        self._batchers: LoopBatchers[Request, torch.Tensor] = LoopBatchers(
             self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-model"
         )
         self._is_closed = False
-        self._num_requests = 0
-        self._num_tokens_requested = 0
-        self._num_tokens_sent = 0  # lengths of the contexts sent to the model
-        self._num_cache_hits = 0
-        self._num_batches = 0
-        self._num_contexts_computed = 0
-
-    # ----------------------------------------------------------------- backend hooks
-
-    @abstractmethod
-    def _compute_logprobs(self, contexts: list[tuple[int, ...]]) -> torch.Tensor:
-        """Log-probabilities of the next token after each context.
-
-        Called with the compute lock held, never concurrently, from the worker
-        thread or a sync caller's thread; never with duplicate contexts.
-
-        Returns:
-            ``float32`` tensor ``[len(contexts), len(byte_vocab)]`` on :attr:`device`,
-            normalized per row.
-        """
-
-    def _cache_namespace(self) -> Hashable:
-        """What besides the context determines the output (e.g. the active LoRA adapter)."""
-        return None
-
-    def _num_tokens_computed(self) -> int:
-        """Tokens run through the model so far: whole contexts, unless a backend reuses prefixes and overrides this."""
-        return self._num_tokens_sent
-
-    def _kv_cache_bytes(self) -> int:
-        return 0
-
-    def _clear_model_caches(self) -> None:
-        """Drop backend-specific caches (KV tree, engine prefix cache)."""
+        self._num_requests = self._num_tokens_requested = self._num_cache_hits = 0
+        self._num_batches = self._num_contexts_computed = 0
 
     # ------------------------------------------------------------------ properties
 
@@ -181,125 +125,136 @@ class AsyncLM(ABC):
 
     @property
     def stats(self) -> LMStats:
+        runner_stats = self.runner.stats
         return LMStats(
             num_requests=self._num_requests,
             num_batches=self._num_batches,
             num_contexts_computed=self._num_contexts_computed,
             num_output_cache_hits=self._num_cache_hits,
             num_tokens_requested=self._num_tokens_requested,
-            num_tokens_computed=self._num_tokens_computed(),
+            num_tokens_computed=runner_stats.num_tokens_computed,
             output_cache_bytes=self.output_cache.stats.bytes_held,
-            kv_cache_bytes=self._kv_cache_bytes(),
+            kv_cache_bytes=runner_stats.kv_cache_bytes,
         )
 
     # ------------------------------------------------------------------ requests
 
-    def _validate(self, token_ids: TokenIds) -> RequestKey:
-        return self._validate_all([token_ids])[0]
-
-    def _validate_all(self, token_ids_list: list[TokenIds]) -> list[RequestKey]:
-        """Validate every context, then count them: a rejected call counts nothing."""
-        if self._is_closed:
-            raise BackendClosedError(f"this {type(self).__name__} is closed")
-        contexts = [
-            validate_token_ids(ids, self.vocab_size, self.max_context_length)
-            for ids in token_ids_list
-        ]
+    def _requests(self, token_ids_list: list[TokenIds], lora_name: str | None) -> list[Request]:
+        """Validate the adapter and every context, then count them: a rejected call counts nothing."""
+        self._check_open()
+        adapter = self.adapters.resolve(lora_name)
+        contexts = [validate_token_ids(ids, self.vocab_size, self.max_context_length) for ids in token_ids_list]
         self._num_requests += len(contexts)
         self._num_tokens_requested += sum(map(len, contexts))
-        namespace = self._cache_namespace()
-        return [(namespace, ids) for ids in contexts]
+        return [Request(adapter, context) for context in contexts]
 
-    def _cached(self, key: RequestKey) -> torch.Tensor | None:
-        row = self.output_cache.get(key)
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise BackendClosedError(f"this {type(self).__name__} is closed")
+
+    def _cached(self, request: Request) -> torch.Tensor | None:
+        row = self.output_cache.get(request)
         if row is not None:
             self._num_cache_hits += 1
         return row
 
-    def _process_batch(self, keys: list[RequestKey]) -> list[torch.Tensor]:
-        """Compute distinct keys (all of one namespace or several) and fill the output cache."""
+    def _process_batch(self, requests: list[Request]) -> list[torch.Tensor | ValueError]:
+        """Compute distinct requests (of one adapter or several) and fill the output cache.
+
+        A request whose adapter was removed or re-registered since the call is
+        not computed: its slot holds the ``ValueError`` its caller gets.
+        """
         with self._compute_lock:
-            if self._is_closed:
-                raise BackendClosedError(f"this {type(self).__name__} is closed")
-            rows = self._compute_grouped(keys)
+            self._check_open()
+            current = [request for request in requests if self.adapters.is_current(request.adapter)]
+            rows = dict(zip(current, self.runner.run(current).unbind(0))) if current else {}
             self._num_batches += 1
-            self._num_contexts_computed += len(keys)
-            self._num_tokens_sent += sum(len(context) for _, context in keys)
-        for key, row in zip(keys, rows):
-            self.output_cache.put(key, row)
-        return rows
+            self._num_contexts_computed += len(current)
+            for request, row in rows.items():
+                self.output_cache.put(request, row)
+        return [rows[request] if request in rows else _replaced_adapter_error(request) for request in requests]
 
-    def _compute_grouped(self, keys: list[RequestKey]) -> list[torch.Tensor]:
-        rows: list[torch.Tensor | None] = [None] * len(keys)
-        namespaces = dict.fromkeys(namespace for namespace, _ in keys)
-        for namespace in namespaces:
-            positions = [i for i, (ns, _) in enumerate(keys) if ns == namespace]
-            with self._activate_namespace(namespace):
-                logprobs = self._compute_logprobs([keys[i][1] for i in positions])
-            for i, row in zip(positions, logprobs.unbind(0)):
-                rows[i] = row
-        return rows
-
-    def _activate_namespace(self, namespace: Hashable):
-        """Context manager putting the model in the state ``namespace`` stands for."""
-        return nullcontext()
-
-    def _batcher(self) -> AutoBatcher:
-        """The running event loop's batcher."""
-        return self._batchers.current()
-
-    async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
-        """Log-probabilities of the token following ``token_ids``.
-
-        Returns:
-            ``float32`` tensor ``[len(byte_vocab)]`` on :attr:`device`, normalized.
-
-        Raises:
-            TypeError, ValueError: invalid ``token_ids`` (see :func:`validate_token_ids`).
-            BackendClosedError: the backend was closed.
-            Exception: an error of the model on this request's batch.
-        """
-        key = self._validate(token_ids)
-        return (await self._submit_key(key)).clone()
-
-    async def batch_next_token_logprobs(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
-        """Log-probabilities after each context, as one ``[B, len(byte_vocab)]`` tensor.
-
-        Every context is validated before any is computed.
-        """
-        keys = self._validate_all(as_list_of_contexts(token_ids_list))
-        rows = await asyncio.gather(*(self._submit_key(key) for key in keys))
-        return torch.stack(rows)
-
-    async def _submit_key(self, key: RequestKey) -> torch.Tensor:
-        row = self._cached(key)
+    async def _submit(self, request: Request) -> torch.Tensor:
+        row = self._cached(request)
         if row is not None:
             return row
         try:
-            return await self._batcher().submit(key)
+            row = await self._batchers.current().submit(request)
         except Exception as exc:
             # Whatever a closing backend made the batch fail with, the caller should learn why.
             if self._is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
             raise
+        if isinstance(row, ValueError):
+            raise row
+        return row
 
-    def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
+    def _batcher(self) -> AutoBatcher:
+        """The running event loop's batcher."""
+        return self._batchers.current()
+
+    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Log-probabilities of the token following ``token_ids``, under adapter ``lora_name``.
+
+        Returns:
+            ``float32`` tensor ``[len(byte_vocab)]`` on :attr:`device`, normalized.
+
+        Raises:
+            TypeError, ValueError: invalid ``token_ids`` or unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+            Exception: an error of the model on this request's batch.
+        """
+        (request,) = self._requests([token_ids], lora_name)
+        return (await self._submit(request)).clone()
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Log-probabilities after each context, as one ``[B, len(byte_vocab)]`` tensor.
+
+        Every context is validated before any is computed.
+        """
+        requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
+        return torch.stack(await asyncio.gather(*map(self._submit, requests)))
+
+    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
-        return self.batch_next_token_logprobs_sync([token_ids])[0]
+        return self.batch_next_token_logprobs_sync([token_ids], lora_name)[0]
 
-    def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[TokenIds]) -> torch.Tensor:
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
-        keys = self._validate_all(as_list_of_contexts(token_ids_list))
-        rows: dict[RequestKey, torch.Tensor] = {}
-        for key in keys:
-            row = self._cached(key)
+        requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
+        rows: dict[Request, torch.Tensor] = {}
+        for request in requests:
+            row = self._cached(request)
             if row is not None:
-                rows[key] = row
-        missing = [key for key in dict.fromkeys(keys) if key not in rows]
+                rows[request] = row
+        missing = [request for request in dict.fromkeys(requests) if request not in rows]
         for start in range(0, len(missing), self.batch_size):
             chunk = missing[start : start + self.batch_size]
             rows.update(zip(chunk, self._process_batch(chunk)))
-        return torch.stack([rows[key] for key in keys])  # stack copies: caller owns it
+        for row in rows.values():
+            if isinstance(row, ValueError):
+                raise row
+        return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
+
+    def next_token_logprobs_uncached(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """One plain forward pass over the whole context: no batching, no cache read or written."""
+        self._check_open()
+        request = Request(
+            self.adapters.resolve(lora_name), validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
+        )
+        with self._compute_lock:
+            return self.runner.run_uncached(request).to(self.device)
+
+    def cache_kv(self, prompt_tokens: TokenIds, lora_name: str | None = None) -> None:
+        """Run ``prompt_tokens`` now, so later requests extending it start from its keys/values.
+
+        Optional: every evaluated context is cached anyway.
+        """
+        self.next_token_logprobs_sync(prompt_tokens, lora_name)
 
     # ------------------------------------------------------------------ sampling
 
@@ -310,35 +265,28 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
-        """Sample a continuation of ``prompt_token_ids`` token by token.
+        """Sample a continuation of ``prompt_token_ids`` token by token, under adapter ``lora_name``.
 
         Stops after ``max_tokens`` tokens or at the first token in
         ``eos_token_ids`` (which is not returned). With a ``seed`` the result
         is reproducible; sampling happens on the CPU.
 
         Raises:
-            ValueError: ``max_tokens`` < 0 or ``temperature`` <= 0.
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0 or unknown ``lora_name``.
         """
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        context = list(validate_token_ids(prompt_token_ids, self.vocab_size))
-        eos = set(eos_token_ids)
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        generated: list[int] = []
-        for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context + generated)
-            token = sample_token(logprobs.cpu() / temperature, generator)
-            if token in eos:
-                break
-            generated.append(token)
-        return generated
+        sampling.check_sampling_options(max_tokens, temperature)
+        self.adapters.resolve(lora_name)
+        prompt = validate_token_ids(prompt_token_ids, self.vocab_size)
+
+        async def next_logprobs(context: list[int]) -> torch.Tensor:
+            return await self.next_token_logprobs(context, lora_name)
+
+        generator = sampling.make_generator(seed)
+        return await sampling.sample_continuation(
+            next_logprobs, prompt, max_tokens, eos_token_ids, temperature, generator
+        )
 
     async def batch_sample(
         self,
@@ -347,6 +295,7 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[list[int]]:
         """:meth:`sample` each prompt concurrently (the model batches their steps).
 
@@ -355,19 +304,67 @@ class AsyncLM(ABC):
         the whole call is reproducible.
         """
         prompts = as_list_of_contexts(prompt_token_ids_list)
-        if seed is None:
-            seeds = [None] * len(prompts)
-        else:
-            children = np.random.SeedSequence(seed).spawn(len(prompts))
-            seeds = [int(child.generate_state(1, dtype=np.uint64)[0] >> 1) for child in children]
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(prompt, max_tokens, eos_token_ids, temperature, s)
-                    for prompt, s in zip(prompts, seeds)
-                )
+        seeds = sampling.stream_seeds(seed, len(prompts))
+        samples = await asyncio.gather(
+            *(
+                self.sample(prompt, max_tokens, eos_token_ids, temperature, s, lora_name)
+                for prompt, s in zip(prompts, seeds)
             )
         )
+        return list(samples)
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_new_lora(self, lora_path, lora_name: str = "lora_1") -> None:
+        """Load a LoRA adapter from ``lora_path`` as ``lora_name``; select it per call with ``lora_name=``.
+
+        Registering an existing name replaces its weights and drops exactly
+        the results and keys/values cached under the old ones.
+
+        Raises:
+            ValueError: this backend cannot serve adapters (the message says why).
+            ImportError: peft is missing (transformers backend).
+        """
+        adapter = self.adapters.new_version(lora_path, lora_name)
+        with self._compute_lock:
+            self._check_open()
+            old = self.adapters.get(lora_name) if lora_name in self.adapters else None
+            if old is not None:
+                self._drop_adapter(old)
+            self.runner.load_adapter(adapter)
+            self.adapters.record(adapter)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload ``lora_name`` and drop exactly its cached results and keys/values.
+
+        Raises:
+            ValueError: unknown ``lora_name``.
+        """
+        with self._compute_lock:
+            adapter = self.adapters.forget(lora_name)
+            self._drop_adapter(adapter)
+
+    def _drop_adapter(self, adapter) -> None:
+        self.output_cache.discard_if(lambda request: request.adapter == adapter)
+        self.runner.unload_adapter(adapter)
+
+    def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:
+        """Make ``lora_name`` the default adapter: the one calls with ``lora_name=None`` run under.
+
+        Loads it from ``lora_path`` first when given. Calls that pass
+        ``lora_name=`` are not affected; requests already made keep the
+        adapter they were made under.
+
+        Raises:
+            ValueError: ``lora_name`` is unknown and no ``lora_path`` is given.
+        """
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self.adapters.default = self.adapters.get(lora_name)
+
+    def clear_lora(self) -> None:
+        """Make the base model the default again (adapters stay loaded)."""
+        self.adapters.default = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -375,11 +372,26 @@ class AsyncLM(ABC):
         """Drop every cached result and reusable prefix; later results are recomputed."""
         with self._compute_lock:
             self.output_cache.clear()
-            self._clear_model_caches()
+            self.runner.clear()
 
-    async def reset_async_queries(self) -> None:
-        """Fail every pending request of this event loop and start a fresh batcher."""
-        await self._batchers.reset_current()
+    def clear_kv_cache(self) -> None:
+        """Drop every retained key/value (results in the output cache stay)."""
+        with self._compute_lock:
+            self.runner.clear()
+
+    def reset_async_queries(self) -> asyncio.Task | None:
+        """Fail every pending request of the running event loop; later requests get a fresh batcher.
+
+        A plain method: call it with or without ``await``. Inside a running
+        loop it returns a task that finishes once those requests have failed
+        (await it to wait for that); outside a loop nothing is pending and it
+        returns ``None``.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return loop.create_task(self._batchers.reset_current())
 
     async def aclose(self) -> None:
         """Fail pending requests with :class:`BackendClosedError` and release the model.
@@ -391,28 +403,40 @@ class AsyncLM(ABC):
         self._is_closed = True
         await self._batchers.reset_current()
         # A batch may still be computing in the worker thread (its callers have
-        # already failed): wait for it off the event loop, so those callers and
-        # every other task run meanwhile, then release the model.
+        # already failed): wait for it off the event loop, then release the model.
         await asyncio.to_thread(_wait_until_unlocked, self._compute_lock)
         self.close()
 
     def close(self) -> None:
-        """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`."""
+        """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""
         self._is_closed = True
         self._batchers.shutdown()
         with self._compute_lock:
             self.output_cache.clear()
-            self._clear_model_caches()
-            self._release_model()
+            if self.runner is not None:
+                self.runner.close()
 
-    def _release_model(self) -> None:
-        """Free the model's memory; backends override."""
+    def cleanup(self) -> None:
+        """Same as :meth:`close`."""
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _replaced_adapter_error(request: Request) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {request.adapter.name!r} was removed or re-registered while this request waited"
+    )
 
 
 def _wait_until_unlocked(lock: threading.Lock) -> None:

@@ -20,15 +20,16 @@ each row's own positions.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import StaticCache
 
 from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
+from genlm_backend.llm.hf_adapters import PeftAdapters
+from genlm_backend.llm.hf_compat import adopt, check_transformers_version, grouped_kv_attention, head_sees_only
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
 
 
 @dataclass
@@ -46,29 +47,76 @@ class _Row:
 
 
 class HFRunner:
-    """Turns batches of contexts into next-token log-probabilities with KV-prefix reuse.
+    """Turns batches of requests into next-token log-probabilities with KV-prefix reuse.
+
+    Requests are grouped by adapter; each group runs with its adapter active
+    and its keys/values live under that adapter in the tree.
 
     Args:
         model: A transformers causal LM in eval mode (full-attention layers).
         kv_tree: Where keys/values are looked up and left.
         vocab_size: Columns of the output (the tokenizer's vocabulary): extra
             logit columns are dropped, missing ones are ``-inf``.
+
+    Raises:
+        ImportError: the installed transformers is not a supported version.
     """
 
     def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int):
-        self.model = model
+        check_transformers_version()
+        self.adapters = PeftAdapters(model)
         self.kv_tree = kv_tree
         self.vocab_size = vocab_size
         self.num_tokens_computed = 0
         self._max_positions = _max_positions(model.config)
 
     @property
+    def model(self):
+        """The model (a peft model once an adapter was loaded)."""
+        return self.adapters.model
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def stats(self) -> RunnerStats:
+        return RunnerStats(num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held)
+
+    def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        """``[len(requests), vocab_size]`` float32 log-probabilities on the model's device."""
+        out = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
+        for adapter, positions in group_by_adapter(requests).items():
+            with self.adapters.active(adapter):
+                out[positions] = self.logprobs([requests[i].context for i in positions], namespace=adapter)
+        return out
+
+    @torch.inference_mode()
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        """Reference: one plain forward pass over the whole context under its adapter, no cache involved."""
+        input_ids = torch.tensor([list(request.context)], device=self.device)
+        with self.adapters.active(request.adapter):
+            logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
+        return fit_to_vocab(logits, self.vocab_size)[0]
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        self.adapters.load(adapter)
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        self.kv_tree.drop_namespace(adapter)
+        self.adapters.unload(adapter)
+
+    def clear(self) -> None:
+        self.kv_tree.clear()
+
+    def close(self) -> None:
+        self.kv_tree.clear()
+
     @torch.inference_mode()
     def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None) -> torch.Tensor:
-        """Log-probabilities of the next token after each context.
+        """Log-probabilities of the next token after each context, keys/values kept under ``namespace``.
+
+        Runs the model as it is (activating an adapter is :meth:`run`'s job).
 
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
@@ -88,7 +136,8 @@ class HFRunner:
                 computed.append((group, block, num_past))
         # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
         for group, block, num_past in computed:
-            self._keep(group, block, num_past, namespace)
+            placements = [(row.context, i, num_past - row.reused) for i, row in enumerate(group)]
+            self.kv_tree.commit(block, placements, namespace)
         return out
 
     def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> _Row:
@@ -98,7 +147,7 @@ class HFRunner:
 
     def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBlock, int]:
         num_new = max(row.num_new for row in rows)
-        block = _extendable_block(rows, num_new)
+        block = self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows]) if num_new == 1 else None
         if block is not None:
             num_past = rows[0].entry.start + rows[0].reused  # the slot every new token goes to
             cache = self._cache_over(block, num_past)
@@ -108,7 +157,7 @@ class HFRunner:
             block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
         input_ids, position_ids = self._inputs(rows, num_past, num_new)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
-        with _grouped_kv_attention(self.model), _head_sees_only(self.model, last if num_new > 1 else None):
+        with grouped_kv_attention(self.model), head_sees_only(self.model, last if num_new > 1 else None):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=self._mask(rows, num_past, num_new, block.num_slots),
@@ -122,12 +171,12 @@ class HFRunner:
             torch.arange(len(rows), device=self.device), last
         ]
         self.num_tokens_computed += sum(row.num_new for row in rows)
-        return self._normalize(logits), block, num_past
+        return fit_to_vocab(logits, self.vocab_size), block, num_past
 
     def _cache_with_pasts(self, rows: list[_Row], num_past: int, num_new: int) -> StaticCache:
         """A StaticCache of ``num_past + num_new`` slots with each row's past right-aligned at ``num_past``."""
         config = self.model.config
-        # One-token steps get spare slots, so the next steps can write in place (see _extendable_block).
+        # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
         cache = StaticCache(config=config, max_cache_len=num_slots)
@@ -154,14 +203,14 @@ class HFRunner:
                 values[i, :, :num_padding] = 0
             keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
             values[:, :, num_past + num_new :] = 0
-            _adopt(layer, keys, values, num_past)
+            adopt(layer, keys, values, num_past)
         return cache
 
     def _cache_over(self, block: KVBlock, num_past: int) -> StaticCache:
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
         cache = StaticCache(config=self.model.config, max_cache_len=block.num_slots)
         for layer, (keys, values) in zip(cache.layers, block.layers):
-            _adopt(layer, keys, values, num_past)
+            adopt(layer, keys, values, num_past)
         return cache
 
     def _inputs(self, rows: list[_Row], num_past: int, num_new: int):
@@ -184,146 +233,10 @@ class HFRunner:
         mask.masked_fill_(~visible[:, None], torch.finfo(self.model.dtype).min)
         return mask.to(self.device)
 
-    def _keep(self, rows: list[_Row], block: KVBlock, num_past: int, namespace: Hashable) -> None:
-        """Leave each row's keys/values (past and new) in the tree, if the budget allows."""
-        if block.num_live_entries == 0 and not self.kv_tree.reserve(block.nbytes):
-            return
-        for i, row in enumerate(rows):
-            start = num_past - row.reused
-            block.row_ends[i] = start + len(row.context)
-            self.kv_tree.insert(row.context, KVEntry(block, i, start, len(row.context)), namespace)
-
-    def _normalize(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        num_columns = logits.shape[-1]
-        if num_columns > self.vocab_size:
-            logits = logits[:, : self.vocab_size]
-        elif num_columns < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - num_columns), value=float("-inf"))
-        return torch.log_softmax(logits, dim=-1)
-
-    @torch.inference_mode()
-    def logprobs_uncached(self, context: Sequence[int]) -> torch.Tensor:
-        """Reference: one plain forward pass over the whole context, no cache involved."""
-        input_ids = torch.tensor([list(context)], device=self.device)
-        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, -1]
-        return self._normalize(logits)[0]
-
-
-@contextmanager
-def _head_sees_only(model, last: torch.Tensor | None):
-    """While active, the output head gets each row's hidden state at ``last[row]`` only.
-
-    Rows end at different new positions, so the model is asked for logits at
-    every new position; without this the head would compute ``[B, K, V]``
-    logits (``B * K * V`` floats, gigabytes for long prompts) to keep ``B`` rows.
-    The hook sits on the head module, so whatever the model does after it
-    (soft-capping, scaling) still applies. ``last=None`` leaves the head alone.
-    """
-    head = model.get_output_embeddings() if last is not None else None
-    if head is None:
-        yield
-        return
-
-    def gather_last(module, args):
-        hidden = args[0]  # [B, K, H] -> [B, 1, H]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return (hidden[rows, last][:, None], *args[1:])
-
-    handle = head.register_forward_pre_hook(gather_last)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-_GROUPED_SDPA = "genlm_sdpa_grouped_kv"
-
-
-def _sdpa_grouped_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' ``sdpa`` attention, except that masked grouped-query attention on CPU keeps its heads grouped.
-
-    With any mask, transformers repeats each key/value head once per query
-    head it serves before calling SDPA (CUDA's fused kernels take no mask with
-    grouped heads). That repeat copies every key and value of the batch in every
-    layer: about two thirds of a one-token step of 64 SmolLM2 rows over 130
-    cached tokens (``benchmarks/bench_attention.py``). On CPU, ``scaled_dot_product_attention(..., enable_gqa=True)``
-    takes a mask and gives the same result without the copy. Every other case
-    is handed to transformers' function unchanged.
-    """
-    plain = (
-        attention_mask is None
-        or query.device.type != "cpu"
-        or query.shape[1] == key.shape[1]
-        or dropout
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("cache") is not None
-        or kwargs.get("output_attentions")
-    )
-    if plain:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-    )
-    return output.transpose(1, 2).contiguous(), None
-
-
-@contextmanager
-def _grouped_kv_attention(model):
-    """While active, a model using transformers' ``sdpa`` attention uses :func:`_sdpa_grouped_kv` instead."""
-    config = model.config.get_text_config(decoder=True)
-    if config._attn_implementation != "sdpa":
-        yield
-        return
-    _register_grouped_sdpa()
-    config._attn_implementation = _GROUPED_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
-
-
-@functools.cache
-def _register_grouped_sdpa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(_GROUPED_SDPA, _sdpa_grouped_kv)
-    AttentionMaskInterface.register(_GROUPED_SDPA, sdpa_mask)
-
 
 def _num_spare_slots(num_past: int) -> int:
     """Room left in a one-token step's block for later steps: 1/4 of its length, at least 8."""
     return max(8, num_past // 4)
-
-
-def _extendable_block(rows: list[_Row], num_new: int) -> KVBlock | None:
-    """The block to extend in place, if this is the next one-token step of exactly its rows.
-
-    True when every row ``i`` extends, by one token, the whole context held by
-    row ``i`` of one block; those contexts all end at the same slot, which is
-    their row's last written slot (so the slot written now belongs to no other
-    entry), and a free slot is left. That is the SMC step without resampling;
-    anything else is copied into a new block.
-    """
-    first = rows[0].entry
-    if num_new != 1 or first is None:
-        return None
-    block, end = first.block, first.start + first.length
-    if len(block.row_ends) != len(rows) or end >= block.num_slots:
-        return None
-    for i, row in enumerate(rows):
-        entry = row.entry
-        if (
-            entry is None or entry.block is not block or entry.row != i
-            or row.reused != entry.length or entry.start + entry.length != end or block.row_ends[i] != end
-        ):
-            return None
-    return block
 
 
 def _group_copies(rows: list[_Row], device) -> dict:
@@ -358,20 +271,6 @@ def _copy_rows(target, target_rows, target_slots: slice, source, source_rows, so
         target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
     else:
         target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
-
-
-def _adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> None:
-    """Make a StaticCache layer use ``keys``/``values`` (``[B, H, T, D]``), ``num_filled`` slots already written.
-
-    Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
-    allocation: the runner writes or zeroes every slot itself.
-    """
-    layer.dtype, layer.device = keys.dtype, keys.device
-    layer.batch_size, layer.num_heads = keys.shape[:2]
-    layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
-    layer.keys, layer.values = keys, values
-    layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
-    layer.is_initialized = True
 
 
 def _kv_shape(config) -> tuple[int, int]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
 import torch
 
 
@@ -15,3 +18,49 @@ def sample_token(logits: torch.Tensor, generator: torch.Generator) -> int:
     cdf = torch.softmax(logits.double(), dim=-1).cumsum_(0)
     u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
     return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1))
+
+
+def check_sampling_options(max_tokens: int, temperature: float) -> None:
+    """Raise ``ValueError`` unless ``max_tokens >= 0`` and ``temperature > 0``."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, or from the OS when ``None``."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def stream_seeds(seed: int | None, num_streams: int) -> list[int | None]:
+    """Independent per-stream seeds derived from ``(seed, i)`` (all ``None`` without a seed)."""
+    if seed is None:
+        return [None] * num_streams
+    children = np.random.SeedSequence(seed).spawn(num_streams)
+    return [int(child.generate_state(1, dtype=np.uint64)[0] >> 1) for child in children]
+
+
+async def sample_continuation(
+    next_logprobs: Callable[[list[int]], Awaitable[torch.Tensor]],
+    prompt: Sequence[int],
+    max_tokens: int,
+    eos_token_ids: Sequence[int],
+    temperature: float,
+    generator: torch.Generator,
+) -> list[int]:
+    """Tokens drawn one by one after ``prompt``; stops after ``max_tokens`` or before the first eos token."""
+    eos = set(eos_token_ids)
+    generated: list[int] = []
+    for _ in range(max_tokens):
+        logprobs = await next_logprobs(list(prompt) + generated)
+        token = sample_token(logprobs.cpu() / temperature, generator)
+        if token in eos:
+            break
+        generated.append(token)
+    return generated

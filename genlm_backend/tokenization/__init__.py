@@ -1,6 +1,23 @@
 """Byte-level vocabularies: the exact bytes of every token id of a tokenizer."""
 
 from genlm_backend.tokenization.token import Token
-from genlm_backend.tokenization.vocab import STR_FALLBACKS, StrFallback, decode_vocab
+from genlm_backend.tokenization.vocab import (
+    BYTE2STR_FALLBACKS,
+    STR_FALLBACKS,
+    Byte2StrFallback,
+    ByteVocabError,
+    StrFallback,
+    decode_vocab,
+    get_byte_vocab,
+)
 
-__all__ = ["STR_FALLBACKS", "StrFallback", "Token", "decode_vocab"]
+__all__ = [
+    "BYTE2STR_FALLBACKS",
+    "STR_FALLBACKS",
+    "Byte2StrFallback",
+    "ByteVocabError",
+    "StrFallback",
+    "Token",
+    "decode_vocab",
+    "get_byte_vocab",
+]

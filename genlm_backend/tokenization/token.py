@@ -9,40 +9,48 @@ from itertools import repeat
 
 
 class Token(bytes):
-    """The exact bytes of a token, carrying the token's id.
+    """The exact bytes of a token, carrying the token's id: ``Token(token_id, byte_string)``.
 
-    A ``Token`` is a ``bytes``: it can be joined, sliced, searched, written and
-    compared with plain ``bytes`` like any other byte string. Operations that
-    build new bytes (slicing, ``+``, ``join``) return plain ``bytes``.
+    A ``Token`` is a ``bytes``: it can be joined, sliced, searched, decoded and
+    written like any byte string. Operations that build new bytes (slicing,
+    ``+``, ``join``) return plain ``bytes``; :attr:`byte_string` is the token's
+    bytes as a plain ``bytes``.
 
-    Equality and hashing:
+    Identity is the id:
 
-    * ``Token == Token`` is ``True`` iff both the bytes **and** the ``token_id``
-      are equal. Two vocabulary entries with the same bytes but different ids
-      (Gemma and CodeLlama have such pairs) are therefore different set
-      members and different dict keys.
-    * ``Token == bytes`` (a plain ``bytes``/``bytearray``/``memoryview``) compares
-      the bytes only, as ``bytes`` itself would: ``Token(b"a", 7) == b"a"``.
-    * ``hash(token) == hash(bytes(token))``, so ``a == b`` implies
-      ``hash(a) == hash(b)`` for every mix of ``Token`` and ``bytes``. Tokens
-      sharing bytes collide in hash but stay distinct because they are unequal.
+    * ``Token == Token`` compares ``token_id`` only, and ``hash(token) ==
+      hash(token.token_id)``. Two vocabulary entries with the same bytes and
+      different ids (Gemma and CodeLlama have such pairs) are different set
+      members and dict keys. ``<``, ``<=``, ``>``, ``>=`` between tokens order
+      by id too, so ``sorted(tokens)`` is id order.
+    * Against plain ``bytes`` the ``bytes`` comparisons apply:
+      ``Token(7, b"a") == b"a"`` and ``Token(7, b"a") < b"b"``.
 
-    The price of ``bytes`` compatibility is that equality is not transitive
-    across types: ``Token(b"a", 1) == b"a" == Token(b"a", 2)`` while the two
-    tokens differ. A container holding only ``Token`` objects (or only plain
-    ``bytes``) behaves as expected; a container mixing both keys a ``Token`` and
-    a plain ``bytes`` with the same content into the same slot.
+    The hash follows the id, not the bytes, so a plain ``bytes`` key does not
+    find a token with the same bytes in a set or dict (nor the reverse), although
+    the two compare equal. Keep hashed containers to one kind, and convert with
+    :meth:`as_bytes` where a caller may pass either.
 
-    Tokens are immutable: ``token_id`` cannot be reassigned. They pickle and
-    copy with their id. ``byte_string`` returns the plain ``bytes``.
+    Tokens are immutable (``token_id`` cannot be reassigned, since the hash
+    depends on it); they pickle and copy with their id.
+
+    Args:
+        token_id: The token's id (position in the vocabulary).
+        byte_string: The token's bytes (a ``bytes``, or a ``Token``).
+
+    Raises:
+        TypeError: ``token_id`` is not an ``int`` (``bool`` included), or
+            ``byte_string`` is not ``bytes``.
     """
 
     token_id: int
 
-    def __new__(cls, data: bytes, token_id: int) -> Token:
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise ValueError(f"token_id must be a non-negative int, got {token_id!r}")
-        token = bytes.__new__(cls, data)
+    def __new__(cls, token_id: int, byte_string: bytes) -> Token:
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise TypeError(f"token_id must be an int, got {type(token_id).__name__}")
+        if not isinstance(byte_string, bytes):
+            raise TypeError(f"byte_string must be bytes, got {type(byte_string).__name__}")
+        token = bytes.__new__(cls, byte_string)
         object.__setattr__(token, "token_id", token_id)
         return token
 
@@ -51,16 +59,40 @@ class Token(bytes):
         """The token's bytes as a plain ``bytes`` object."""
         return bytes(self)
 
+    @staticmethod
+    def as_bytes(item):
+        """``item.byte_string`` for a ``Token``; any other object unchanged."""
+        return bytes(item) if isinstance(item, Token) else item
+
+    @staticmethod
+    def is_plain_bytes(item) -> bool:
+        """Whether ``item`` is a ``bytes`` that is not a ``Token``."""
+        return isinstance(item, bytes) and not isinstance(item, Token)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Token):
-            return self.token_id == other.token_id and bytes.__eq__(self, other)
-        return bytes.__eq__(self, other)
+            return self.token_id == other.token_id
+        return NotImplemented  # plain bytes: Python falls back to bytes.__eq__
 
     def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
+        if isinstance(other, Token):
+            return self.token_id != other.token_id
+        return NotImplemented
 
-    __hash__ = bytes.__hash__
+    def __hash__(self) -> int:
+        return hash(self.token_id)
+
+    def __lt__(self, other: object) -> bool:
+        return self.token_id < other.token_id if isinstance(other, Token) else NotImplemented
+
+    def __le__(self, other: object) -> bool:
+        return self.token_id <= other.token_id if isinstance(other, Token) else NotImplemented
+
+    def __gt__(self, other: object) -> bool:
+        return self.token_id > other.token_id if isinstance(other, Token) else NotImplemented
+
+    def __ge__(self, other: object) -> bool:
+        return self.token_id >= other.token_id if isinstance(other, Token) else NotImplemented
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Token is immutable; cannot set {name!r}")
@@ -69,20 +101,14 @@ class Token(bytes):
         raise AttributeError(f"Token is immutable; cannot delete {name!r}")
 
     def __reduce__(self):
-        return (Token, (bytes(self), self.token_id))
-
-    def __copy__(self) -> Token:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> Token:
-        return self
+        return (Token, (self.token_id, bytes(self)))
 
     def __repr__(self) -> str:
-        return f"Token({bytes.__repr__(self)}, token_id={self.token_id})"
+        return f"Token(token_id={self.token_id}, byte_string={bytes.__repr__(self)})"
 
 
 def make_tokens(byte_strings: Iterable[bytes]) -> list[Token]:
-    """``[Token(b, i) for i, b in enumerate(byte_strings)]``, built in C loops.
+    """``[Token(i, b) for i, b in enumerate(byte_strings)]``, built in C loops.
 
     Several times faster than calling the constructor per token, which matters
     for 250k-entry vocabularies; ids are the positions, so no validation is

@@ -10,7 +10,9 @@ pieces into U+FFFD and so lose bytes) and never from reloading anything by name:
 * a Python tokenizer over a SentencePiece model (``sp_model``): ``▁`` -> space,
   byte pieces ``<0xNN>`` -> that byte.
 
-Anything else raises :class:`~genlm_backend.errors.VocabularyDecodeError`.
+Anything else raises :class:`ByteVocabError` (from :func:`get_byte_vocab`;
+:func:`decode_vocab` raises it as a
+:class:`~genlm_backend.errors.VocabularyDecodeError`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,24 @@ from genlm_backend.tokenization.decoders import (
 )
 from genlm_backend.tokenization.token import Token, make_tokens
 
-StrFallback = Literal["replace", "surrogateescape", "backslashreplace", "strict"]
-STR_FALLBACKS: tuple[str, ...] = ("replace", "surrogateescape", "backslashreplace", "strict")
+Byte2StrFallback = Literal[
+    "tokenizer", "latin1", "replace", "surrogateescape", "backslashreplace", "strict"
+]
+BYTE2STR_FALLBACKS: tuple[str, ...] = (
+    "tokenizer", "latin1", "replace", "surrogateescape", "backslashreplace", "strict"
+)
+# Older names, kept for callers of ``decode_vocab(..., str_fallback=...)``.
+StrFallback = Byte2StrFallback
+STR_FALLBACKS = BYTE2STR_FALLBACKS
+
+
+class ByteVocabError(VocabularyDecodeError):
+    """:func:`get_byte_vocab` cannot recover the bytes of a tokenizer's tokens."""
 
 
 def decode_vocab(
-    tokenizer, *, str_fallback: StrFallback = "replace"
+    tokenizer, byte2str_fallback: Byte2StrFallback = "tokenizer", *,
+    str_fallback: Byte2StrFallback | None = None,
 ) -> tuple[list[Token], list[str]]:
     """The bytes and strings of every token of ``tokenizer``.
 
@@ -40,38 +54,65 @@ def decode_vocab(
         tokenizer: A transformers tokenizer (``TokenizersBackend``/"fast" or
             ``PythonBackend``/"slow") or a bare ``tokenizers.Tokenizer``. Only the
             object is read; nothing is loaded by name.
-        str_fallback: How ``str_vocab`` spells a token whose bytes are not valid
-            UTF-8 (a lone byte-fallback piece such as Gemma's ``<0x80>``, or half of
-            a multi-byte character in a byte-level BPE). It is a Python codec
-            error handler applied to ``bytes.decode("utf-8", ...)``:
-            ``"replace"`` (default) puts U+FFFD per invalid sequence, as
-            ``tokenizer.decode`` does; ``"surrogateescape"`` is lossless
+        byte2str_fallback: How ``str_vocab`` spells a token whose bytes are not
+            valid UTF-8 (a lone byte-fallback piece such as Gemma's ``<0x80>``, or
+            half of a multi-byte character in a byte-level BPE):
+            ``"tokenizer"`` (default): the token's own string in the tokenizer
+            (``convert_ids_to_tokens``, e.g. ``"<0x80>"`` or ``"Ã"``);
+            ``"latin1"``: the bytes decoded as latin-1 (one character per byte);
+            ``"replace"``: U+FFFD per invalid sequence, as ``tokenizer.decode``
+            does; ``"surrogateescape"``: lossless
             (``s.encode("utf-8", "surrogateescape")`` gives the bytes back);
-            ``"backslashreplace"`` writes ``\\x80``; ``"strict"`` raises.
+            ``"backslashreplace"``: ``\\x80``; ``"strict"``: raise.
+        str_fallback: The same option under its older name; give one or the other.
 
     Returns:
         ``(byte_vocab, str_vocab)``, both of length ``len(tokenizer)`` (added and
         special tokens included). ``byte_vocab[i]`` is a :class:`Token` holding
         the exact bytes of token id ``i`` and ``token_id == i``;
-        ``str_vocab[i]`` is those bytes decoded as UTF-8 with ``str_fallback``.
+        ``str_vocab[i]`` is those bytes decoded as UTF-8, or the fallback.
         Special tokens map to the bytes of their text (``b"<|endoftext|>"``).
 
     Raises:
-        ValueError: ``str_fallback`` is not one of :data:`STR_FALLBACKS`.
-        VocabularyDecodeError: the tokenizer's bytes cannot be recovered (an
-            unsupported decoder or tokenizer kind, a hole in the id range, a
-            token outside the byte table), or ``str_fallback="strict"`` met a
-            token that is not valid UTF-8. The message names the tokenizer
-            class and the first token that failed.
+        ValueError: an unknown ``byte2str_fallback``, or both it and ``str_fallback``.
+        VocabularyDecodeError: (a ``ValueError``) the tokenizer's bytes cannot be
+            recovered (an unsupported decoder or tokenizer kind, a hole in the id
+            range, a token outside the byte table): the message starts
+            ``"Could not decode byte representation"`` and names the tokenizer
+            class and the first token that failed; or ``"strict"`` met a token
+            that is not valid UTF-8.
     """
-    if str_fallback not in STR_FALLBACKS:
-        raise ValueError(f"str_fallback must be one of {STR_FALLBACKS}, got {str_fallback!r}")
-    byte_strings = _token_bytes(tokenizer)
+    fallback = _checked_fallback(byte2str_fallback, str_fallback)
+    try:
+        byte_strings = get_byte_vocab(tokenizer)
+    except ByteVocabError as exc:
+        raise VocabularyDecodeError(
+            f"Could not decode byte representation of the token vocabulary: {exc}"
+        ) from exc
     byte_vocab = make_tokens(byte_strings)
-    return byte_vocab, _str_vocab(tokenizer, byte_strings, str_fallback)
+    return byte_vocab, _str_vocab(tokenizer, byte_strings, fallback)
 
 
-def _token_bytes(tokenizer) -> list[bytes]:
+def _checked_fallback(byte2str_fallback: str, str_fallback: str | None) -> str:
+    if str_fallback is not None:
+        if byte2str_fallback != "tokenizer":
+            raise ValueError("give byte2str_fallback or str_fallback (its older name), not both")
+        byte2str_fallback = str_fallback
+    if byte2str_fallback not in BYTE2STR_FALLBACKS:
+        raise ValueError(
+            f"Unknown byte2str_fallback strategy: {byte2str_fallback!r}; "
+            f"must be one of {BYTE2STR_FALLBACKS}"
+        )
+    return byte2str_fallback
+
+
+def get_byte_vocab(tokenizer) -> list[bytes]:
+    """The exact bytes of every token id of ``tokenizer`` (see the module docstring).
+
+    Raises:
+        ByteVocabError: the bytes cannot be recovered; the message names the
+            tokenizer class and the first token that failed.
+    """
     backend = _tokenizers_backend(tokenizer)
     if backend is not None:
         return _fast_token_bytes(tokenizer, backend)
@@ -82,7 +123,8 @@ def _token_bytes(tokenizer) -> list[bytes]:
     first = _token_strings(tokenizer, 1)[0] if _vocab_size(tokenizer) else None
     raise _error(
         tokenizer, 0, first,
-        "it has no tokenizers backend, no byte_decoder table and no SentencePiece model",
+        "its decoder is neither ByteLevel nor SentencePiece (no tokenizers backend, "
+        "no byte_decoder table, no SentencePiece model)",
     )
 
 
@@ -109,11 +151,15 @@ def _vocab_size(tokenizer) -> int:
 
 def _token_strings(tokenizer, num_tokens: int) -> list[str | None]:
     """Token strings by id as the tokenizer spells them (added tokens: their text)."""
+    return _token_strings_at(tokenizer, list(range(num_tokens)))
+
+
+def _token_strings_at(tokenizer, token_ids: list[int]) -> list[str | None]:
     from tokenizers import Tokenizer
 
     if isinstance(tokenizer, Tokenizer):
-        return [tokenizer.id_to_token(i) for i in range(num_tokens)]
-    return tokenizer.convert_ids_to_tokens(list(range(num_tokens)))
+        return [tokenizer.id_to_token(i) for i in token_ids]
+    return tokenizer.convert_ids_to_tokens(token_ids)
 
 
 def _checked_token_strings(tokenizer, backend=None) -> list[str]:
@@ -174,20 +220,42 @@ def _sentencepiece_token_bytes(tokenizer) -> list[bytes]:
     return result
 
 
-def _str_vocab(tokenizer, byte_strings: Sequence[bytes], str_fallback: str) -> list[str]:
+def _str_vocab(tokenizer, byte_strings: Sequence[bytes], fallback: str) -> list[str]:
+    if fallback in ("tokenizer", "latin1"):
+        return _str_vocab_with(tokenizer, byte_strings, fallback)
     try:
-        return [b.decode("utf-8", str_fallback) for b in byte_strings]
+        return [b.decode("utf-8", fallback) for b in byte_strings]
     except UnicodeDecodeError:
         for token_id, token in enumerate(byte_strings):
             try:
                 token.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise _error(tokenizer, token_id, token, f"str_fallback='strict': {exc}") from None
+                raise VocabularyDecodeError(
+                    f"{type(tokenizer).__name__}: token id {token_id} ({token!r}) is not "
+                    f"valid UTF-8 and byte2str_fallback='strict': {exc}"
+                ) from None
         raise
 
 
-def _error(tokenizer, token_id: int, token, reason: str) -> VocabularyDecodeError:
-    return VocabularyDecodeError(
-        f"cannot decode the vocabulary of {type(tokenizer).__name__}: "
-        f"token id {token_id} ({token!r}): {reason}"
-    )
+def _str_vocab_with(tokenizer, byte_strings: Sequence[bytes], fallback: str) -> list[str]:
+    """UTF-8, and for the tokens that are not: latin-1 or the tokenizer's token string."""
+    strings = []
+    for token_id, token in enumerate(byte_strings):
+        try:
+            strings.append(token.decode("utf-8"))
+        except UnicodeDecodeError:
+            if fallback == "latin1":
+                strings.append(token.decode("latin-1"))
+            else:
+                strings.append(_token_string(tokenizer, token_id, token))
+    return strings
+
+
+def _token_string(tokenizer, token_id: int, token: bytes) -> str:
+    """The tokenizer's own spelling of ``token_id`` (U+FFFD replacement if it has none)."""
+    spelled = _token_strings_at(tokenizer, [token_id])[0]
+    return spelled if isinstance(spelled, str) else token.decode("utf-8", "replace")
+
+
+def _error(tokenizer, token_id: int, token, reason: str) -> ByteVocabError:
+    return ByteVocabError(f"{type(tokenizer).__name__}: token id {token_id} ({token!r}): {reason}")

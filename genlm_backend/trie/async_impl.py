@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,8 @@ from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, chec
 from genlm_backend.errors import BatcherClosedError
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
+
+_OPS = ("sum", "max", "logsumexp")
 
 
 class _TrieRequest:
@@ -28,16 +31,26 @@ class AsyncTokenCharacterTrie:
 
     Requests are validated in the caller (a bad input fails only its caller),
     then queued on an :class:`~genlm_backend.batching.AutoBatcher` (one per
-    running event loop); a batch runs in one worker thread, grouped by
-    operation. Cancellation, errors and closing behave as in that batcher: a
-    failing batch fails exactly its requests, a cancelled caller leaves the
-    others untouched, and requests pending at :meth:`aclose` raise
-    :class:`~genlm_backend.errors.BatcherClosedError`.
+    running event loop, started by the first request or by :meth:`start`); a
+    batch runs in one worker thread, grouped by operation. A failing batch
+    fails exactly its requests; a cancelled caller leaves the others untouched.
+
+    Lifecycle:
+
+    * :meth:`cleanup` (async) and :meth:`shutdown` (sync) stop the running
+      loop's batcher: its pending requests raise
+      :class:`~genlm_backend.errors.BatcherClosedError`, and the next request
+      starts a new one.
+    * :meth:`aclose` closes the trie for good: pending and later requests raise
+      :class:`~genlm_backend.errors.BatcherClosedError`, and the worker thread stops.
 
     Args:
         trie: The :class:`TokenCharacterTrie` or :class:`ParallelTokenCharacterTrie` to run.
         batch_size: Most requests per batch.
         timeout_s: Most seconds a request waits for its batch to fill.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``timeout_s`` < 0.
     """
 
     def __init__(self, trie: TokenCharacterTrie, *, batch_size: int = 64, timeout_s: float = 0.02):
@@ -45,9 +58,8 @@ class AsyncTokenCharacterTrie:
         self.trie = trie
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
-        self._batchers: LoopBatchers[_TrieRequest, object] = LoopBatchers(
-            self._process_batch, batch_size=batch_size, timeout_s=timeout_s, thread_name="genlm-trie"
-        )
+        self._batchers = self._new_batchers()
+        self._stopping: set[asyncio.Task] = set()
         self._is_closed = False
 
     @classmethod
@@ -58,7 +70,7 @@ class AsyncTokenCharacterTrie:
         """Build the trie over ``vocab`` and wrap it.
 
         Args:
-            vocab: The byte vocabulary (index = token id).
+            vocab: The vocabulary (see :class:`TokenCharacterTrie`).
             backend: ``"parallel"`` (:class:`ParallelTokenCharacterTrie`, torch) or
                 ``"sequential"`` (:class:`TokenCharacterTrie`, float64 numpy).
             **trie_kwargs: Passed to the trie (e.g. ``device=`` for ``"parallel"``).
@@ -72,8 +84,16 @@ class AsyncTokenCharacterTrie:
         elif backend == "sequential":
             trie = TokenCharacterTrie(vocab, **trie_kwargs)
         else:
-            raise ValueError(f"backend must be 'parallel' or 'sequential', got {backend!r}")
+            raise ValueError(
+                f"Unknown backend: {backend!r}; must be one of ['sequential', 'parallel']"
+            )
         return cls(trie, batch_size=batch_size, timeout_s=timeout_s)
+
+    def _new_batchers(self) -> LoopBatchers[_TrieRequest, object]:
+        return LoopBatchers(
+            self._process_batch, batch_size=self.batch_size, timeout_s=self.timeout_s,
+            thread_name="genlm-trie",
+        )
 
     @property
     def batcher_stats(self) -> BatcherStats | None:
@@ -84,16 +104,26 @@ class AsyncTokenCharacterTrie:
     def is_closed(self) -> bool:
         return self._is_closed
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the running event loop has a started batcher (``False`` outside a loop)."""
+        return self._batchers.stats() is not None
+
+    @property
+    def _task(self) -> BatcherStats | None:
+        """Truthy while :attr:`is_running`, ``None`` otherwise (the name upstream tests read)."""
+        return self._batchers.stats()
+
     async def weight_sum(self, ws):
         """``trie.weight_sum(ws)``, batched with concurrent requests.
 
         Returns:
-            The trie's result type: float64 numpy ``[num_nodes]`` (sequential) or
-            float32 tensor ``[num_nodes]`` on the trie's device (parallel).
+            The trie's result type: float64 numpy ``[num_nodes]`` (sequential),
+            float32 numpy or tensor ``[num_nodes]`` (parallel, per its ``output``).
 
         Raises:
             TypeError, ValueError: invalid ``ws`` (raised before queueing).
-            BatcherClosedError: the trie was closed before the result.
+            BatcherClosedError: the trie was closed, or its batcher stopped, before the result.
         """
         return await self._submit("sum", ws)
 
@@ -111,6 +141,16 @@ class AsyncTokenCharacterTrie:
         request = _TrieRequest(op, self.trie._check(ws, batched=False))
         return await self._batcher().submit(request)
 
+    async def _queue_request(self, ws, op: str) -> asyncio.Task:
+        """Queue ``op`` (``"sum"``, ``"max"`` or ``"logsumexp"``) on ``ws``; a task to await.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        if op not in _OPS:
+            raise ValueError(f"Unknown operation: {op!r}; must be one of {list(_OPS)}")
+        return asyncio.ensure_future(self._submit(op, ws))
+
     def _batcher(self) -> AutoBatcher:
         """The running event loop's batcher."""
         return self._batchers.current()
@@ -122,10 +162,44 @@ class AsyncTokenCharacterTrie:
             positions = [i for i, request in enumerate(requests) if request.op == op]
             rows = [requests[i].ws for i in positions]  # validated when submitted
             stack = torch.stack if isinstance(rows[0], torch.Tensor) else np.stack
-            values = self.trie._reduce(stack(rows), op)
+            values = self.trie._output(self.trie._reduce(stack(rows), op))
             for i, row in zip(positions, values):
                 results[i] = row.clone() if isinstance(row, torch.Tensor) else row.copy()  # own memory, contiguous
         return results
+
+    def start(self) -> None:
+        """Start the running loop's batcher now rather than at the first request.
+
+        Raises:
+            RuntimeError: no running event loop.
+            BatcherClosedError: the trie was closed with :meth:`aclose`.
+        """
+        if self._is_closed:
+            raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
+        self._batchers.current()
+
+    async def cleanup(self) -> None:
+        """Stop the running loop's batcher; its pending requests raise
+        :class:`BatcherClosedError`. The next request starts a new batcher. Idempotent."""
+        await self._batchers.reset_current()
+
+    def shutdown(self) -> None:
+        """Synchronous :meth:`cleanup`, for every loop at once.
+
+        Batches running in the worker thread finish there; pending requests of
+        the running loop raise :class:`BatcherClosedError` once the loop runs
+        again (those of other loops when their batch is dispatched). The next
+        request starts afresh. Idempotent.
+        """
+        old, self._batchers = self._batchers, self._new_batchers()
+        old.shutdown()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(old.reset_current())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def aclose(self) -> None:
         """Fail this loop's pending requests with :class:`BatcherClosedError`, as all later calls.
@@ -140,3 +214,8 @@ class AsyncTokenCharacterTrie:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+    def __del__(self) -> None:
+        batchers = getattr(self, "_batchers", None)
+        if batchers is not None:
+            batchers.shutdown()  # stops the worker thread; nothing to await here

@@ -1,8 +1,9 @@
 """TokenCharacterTrie: per-prefix sums, maxima and logsumexps of token weights, in float64 numpy.
 
-For a weight vector ``ws`` over the vocabulary (index = token id), the value of
-the node for byte prefix ``p`` is the reduction over every token whose bytes
-start with ``p``; a token's leaf holds its own weight. See
+For a weight vector ``ws`` over the vocabulary (``ws[i]`` is the weight of
+``decode[i]``), the value of the node for prefix ``p`` is the reduction over
+every item whose bytes (letters) start with ``p``; an item's leaf holds its own
+weight. See
 :mod:`genlm_backend.trie.layout` for the node numbering and the algorithm.
 """
 
@@ -15,65 +16,103 @@ import numpy as np
 
 from genlm_backend.trie.layout import TrieLayout, build_layout
 from genlm_backend.trie.weights import weights_to_numpy
+from genlm_backend.trie.words import TrieWords, trie_words, word_keys
 
 _NUMPY_OPS: dict[str, Callable] = {"sum": np.add, "max": np.maximum, "logsumexp": np.logaddexp}
 
 
 class TokenCharacterTrie:
-    """A byte trie over a token vocabulary with one leaf per token, reduced in float64 numpy.
+    """A trie over a token vocabulary with one leaf per vocabulary item, reduced in float64 numpy.
 
     Args:
-        decode: The vocabulary: ``decode[token_id]`` is the token's bytes (or an
-            object with a ``byte_string`` attribute, e.g. a ``Token``). Tokens
-            with identical or empty bytes each get their own leaf.
+        decode: The vocabulary; ``decode[i]`` is the item whose weight is
+            ``ws[i]``. Items are :class:`~genlm_backend.tokenization.Token` objects
+            (what ``decode_vocab`` returns), plain bytes (deprecated: a
+            ``DeprecationWarning`` is issued), or other iterables of hashable
+            letters such as genlm-control's ``EndOfSequence``; see
+            :mod:`genlm_backend.trie.words`. Items with identical or empty
+            bytes each get their own leaf.
 
     Every method returns a fresh array the caller owns. See :mod:`genlm_backend.trie.layout`
     for how the reductions are computed.
 
     Attributes:
-        decode: The vocabulary as ``list[bytes]``.
+        decode: The vocabulary, as given.
         root: The root node (the empty prefix), always 0.
         num_nodes: Number of nodes; every result has this many values per row.
-        token_id_to_leaf: int64 ``[V]``: the leaf node of each token.
+        word2leaf: ``{key: leaf}``; the key of a Token is ``(bytes, token_id)``, of
+            plain bytes the bytes, of any other item the item itself.
+        parent: int64 ``[num_nodes]``: each node's parent, -1 for the root.
 
     Raises:
-        TypeError: ``decode`` is not a sequence of bytes-like items.
-        ValueError: ``decode`` is empty.
+        TypeError: ``decode`` is not a sequence, or an item is not iterable or unhashable.
+        ValueError: ``decode`` is empty, or two items have the same key
+            (``"Duplicate word in vocabulary: ..."``).
     """
 
     def __init__(self, decode: Sequence):
-        self.layout: TrieLayout = build_layout(decode)
-        self.decode: list[bytes] = self.layout.byte_vocab
+        self._words: TrieWords = trie_words(decode)
+        keys = word_keys(decode)
+        self.decode = decode
+        self.layout: TrieLayout = build_layout(self._words.words)
         self.root = 0
         self.num_nodes = self.layout.num_nodes
         self.num_internal_nodes = self.layout.num_internal
-        self.token_id_to_leaf = np.arange(self.num_nodes - len(self.decode), self.num_nodes)
+        self.token_id_to_leaf = np.arange(self.num_internal_nodes, self.num_nodes)
         self.parent: np.ndarray = self.layout.parent
-        """int64 ``[num_nodes]``: each node's parent, -1 for the root."""
+        self.word2leaf: dict = dict(zip(keys, range(self.num_internal_nodes, self.num_nodes)))
 
     # ------------------------------------------------------------------ mappings
 
     @cached_property
+    def leaf2word(self) -> dict:
+        """``{leaf: key}``, the inverse of :attr:`word2leaf`."""
+        return {leaf: key for key, leaf in self.word2leaf.items()}
+
+    @cached_property
+    def idx_to_leaf(self) -> np.ndarray:
+        """int32 ``[V, 2]``: row ``i`` is ``(i, leaf of decode[i])``."""
+        positions = np.arange(self.layout.num_tokens, dtype=np.int32)
+        return np.stack([positions, self.token_id_to_leaf.astype(np.int32)], axis=1)
+
+    @cached_property
     def children(self) -> list[dict]:
-        """``children[node]``: ``{byte: child}`` for byte edges and ``{(None, token_id): leaf}``
-        for the leaf of each token whose bytes end at ``node`` (built on first use)."""
+        """``children[node]``: ``{letter: child}`` for letter edges (a byte is an ``int``)
+        and ``{(None, i): leaf}`` for the leaf of each item ``decode[i]`` that ends at
+        ``node`` (built on first use)."""
         children: list[dict] = [{} for _ in range(self.num_nodes)]
+        parent = self.parent.tolist()
         prefixes = self.layout.prefixes
-        for node in range(1, self.num_internal_nodes):
-            children[self.parent[node]][prefixes[node][-1]] = node
-        for token_id, leaf in enumerate(self.token_id_to_leaf.tolist()):
-            children[self.parent[leaf]][(None, token_id)] = leaf
+        if self._words.letters is None:
+            for node in range(1, self.num_internal_nodes):
+                children[parent[node]][prefixes[node][-1]] = node
+        else:
+            letter = self._words.letter
+            for node in range(1, self.num_internal_nodes):
+                children[parent[node]][letter(ord(prefixes[node][-1]))] = node
+        for position, leaf in enumerate(range(self.num_internal_nodes, self.num_nodes)):
+            children[parent[leaf]][(None, position)] = leaf
         return children
 
     @cached_property
-    def node2prefix(self) -> list[bytes]:
-        """``node2prefix[node]``: the byte prefix a node stands for (a leaf: its token's bytes)."""
-        return self.layout.prefixes + self.decode
+    def node2prefix(self) -> dict:
+        """``{node: prefix}``: the letters on the path to a node (a leaf: its item's).
 
-    def prefix_to_node(self, prefix: bytes) -> int | None:
-        """The internal node of a byte prefix, or ``None`` if no token starts with it."""
+        A prefix is ``bytes`` when all its letters are bytes, else a tuple of letters.
+        """
+        words = self.layout.prefixes + self.layout.words
+        if self._words.letters is not None:
+            words = list(map(self._words.decode_word, words))
+        return dict(enumerate(words))
+
+    def prefix_to_node(self, prefix) -> int | None:
+        """The internal node of a prefix (bytes, or a sequence of letters), or ``None``
+        if no item starts with it."""
+        prefix = self._words.encode_prefix(prefix)
+        if prefix is None:
+            return None
         prefixes = self.layout.prefixes
-        lo, hi = 0, self.num_internal_nodes  # prefixes are sorted by (length, bytes)
+        lo, hi = 0, self.num_internal_nodes  # prefixes are sorted by (length, word)
         key = (len(prefix), prefix)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -84,7 +123,7 @@ class TokenCharacterTrie:
         return lo if lo < self.num_internal_nodes and prefixes[lo] == prefix else None
 
     def leaf_token_id(self, node: int) -> int | None:
-        """The token of a leaf node, ``None`` for an internal node."""
+        """The position in :attr:`decode` of a leaf node's item, ``None`` for an internal node."""
         return node - self.num_internal_nodes if node >= self.num_internal_nodes else None
 
     # ------------------------------------------------------------------ reductions
@@ -93,7 +132,9 @@ class TokenCharacterTrie:
         """Sum of the weights of the tokens below each node.
 
         Args:
-            ws: ``[V]`` numpy array or CPU tensor of a floating dtype, no NaN.
+            ws: ``[V]`` weights, ``ws[i]`` for ``decode[i]``: a tensor (any device;
+                copied to the CPU), numpy array or sequence of numbers, of a real
+                dtype (integers are converted), no NaN.
 
         Returns:
             float64 ``[num_nodes]``.
@@ -102,7 +143,7 @@ class TokenCharacterTrie:
         ``[num_nodes, B]`` arrays (``np.ascontiguousarray`` gives C order).
 
         Raises:
-            TypeError, ValueError: invalid ``ws`` (type, dtype, shape, device, NaN).
+            TypeError, ValueError: invalid ``ws`` (type, dtype, shape, NaN).
         """
         return self._reduce(self._check(ws, batched=False)[None], "sum")[0]
 
@@ -134,20 +175,28 @@ class TokenCharacterTrie:
         return self._reduce(self._check(ws_batch, batched=True), "logsumexp")
 
     def _check(self, ws, *, batched: bool) -> np.ndarray:
-        return weights_to_numpy(ws, len(self.decode), batched=batched)
+        return weights_to_numpy(ws, self.layout.num_tokens, batched=batched)
+
+    def _output(self, result: np.ndarray) -> np.ndarray:
+        """Results leave as computed (the parallel trie may convert them)."""
+        return result
+
+    def _preprocess_ws(self, ws) -> np.ndarray:
+        """``ws`` (``[V]`` or ``[B, V]``, any array-like) validated as float64 numpy."""
+        return self._check(ws, batched=np.ndim(ws) == 2)
 
     def _reduce(self, ws: np.ndarray, op: str) -> np.ndarray:
         # ws: [B, V] float64. rows: [num_rows, B], so every gather moves whole rows.
         combine = _NUMPY_OPS[op]
         rows = np.empty((self.layout.num_rows, ws.shape[0]))
-        rows[: len(self.decode)] = ws.T
+        rows[: self.layout.num_tokens] = ws.T
         for level in self.layout.levels:
             combine(rows[level.left], rows[level.right], out=rows[level.start : level.stop])
         return rows[self.layout.node_rows].T  # [B, num_nodes] view of [num_nodes, B]
 
     # ------------------------------------------------------------------ display
 
-    def visualize(self, ws=None, *, prefix: bytes = b"", max_nodes: int = 100):
+    def visualize(self, ws=None, *, prefix=b"", max_nodes: int = 100):
         """A ``graphviz.Digraph`` of the sub-trie below ``prefix`` (breadth-first, capped).
 
         See :func:`genlm_backend.trie.visualize.visualize_trie`.

@@ -2,10 +2,12 @@
 
 Node numbering (shared by every trie class):
 
-* internal nodes ``0 .. num_internal - 1`` are the distinct byte prefixes of the
-  vocabulary, ordered by (length, bytes); node 0 is the root (the empty prefix);
-* leaf ``num_internal + t`` belongs to token ``t``. Every token has its own
-  leaf, so tokens with identical bytes (or empty bytes) stay distinct.
+* internal nodes ``0 .. num_internal - 1`` are the distinct prefixes of the
+  vocabulary's words (byte strings, or letter sequences: see
+  :mod:`genlm_backend.trie.words`), ordered by (length, word); node 0 is the
+  root (the empty prefix);
+* leaf ``num_internal + t`` belongs to the item at position ``t``. Every token has its own
+  leaf, so tokens with identical (or empty) words stay distinct.
 
 Reduction plan. A node's value is a reduction (sum, max, logsumexp) over the
 leaves below it. Most internal nodes have exactly one child, so their value is
@@ -44,22 +46,23 @@ class ReductionLevel:
 
 @dataclass(frozen=True)
 class TrieLayout:
-    """Topology of the trie over one byte vocabulary, and its reduction plan."""
+    """Topology of the trie over one vocabulary, and its reduction plan."""
 
-    byte_vocab: list[bytes]
-    prefixes: list[bytes]
-    """Byte prefix of each internal node (index = node)."""
+    words: list
+    """The word of each leaf (``bytes``, or ``str`` of letter codes)."""
+    prefixes: list
+    """Prefix of each internal node (index = node), in the words' form."""
     parent: np.ndarray
     """int64 ``[num_nodes]``: parent of each node, -1 for the root."""
     num_rows: int
-    """Rows of the work array: ``len(byte_vocab)`` token rows plus one per binary operation."""
+    """Rows of the work array: ``len(words)`` token rows plus one per binary operation."""
     levels: list[ReductionLevel]
     node_rows: np.ndarray
     """int64 ``[num_nodes]``: the work-array row holding each node's value."""
 
     @property
     def num_tokens(self) -> int:
-        return len(self.byte_vocab)
+        return len(self.words)
 
     @property
     def num_internal(self) -> int:
@@ -67,42 +70,18 @@ class TrieLayout:
 
     @property
     def num_nodes(self) -> int:
-        return len(self.prefixes) + len(self.byte_vocab)
+        return len(self.prefixes) + len(self.words)
 
 
-def as_byte_vocab(decode: Sequence) -> list[bytes]:
-    """The vocabulary as ``list[bytes]``, from bytes-like items or objects with ``byte_string``.
+def build_layout(vocab: Sequence[bytes] | Sequence[str]) -> TrieLayout:
+    """Build the trie over the words ``vocab`` (index = position) and its reduction plan.
 
-    Raises:
-        TypeError: ``decode`` is not a sequence, or an item is neither bytes-like
-            nor has a bytes ``byte_string`` attribute.
-        ValueError: ``decode`` is empty.
+    Args:
+        vocab: Non-empty; all ``bytes``, or all ``str`` of letter codes
+            (:mod:`genlm_backend.trie.words`).
     """
-    if isinstance(decode, str | bytes) or not isinstance(decode, Sequence):
-        raise TypeError(f"decode must be a sequence of bytes, got {type(decode).__name__}")
-    if len(decode) == 0:
-        raise ValueError("decode is empty: a trie needs at least one token")
-    vocab = []
-    for token_id, item in enumerate(decode):
-        item = getattr(item, "byte_string", item)
-        if not isinstance(item, bytes | bytearray | memoryview):
-            raise TypeError(
-                f"decode[{token_id}] is {type(item).__name__}; expected bytes "
-                "(use genlm_backend.tokenization.decode_vocab to get a byte vocabulary)"
-            )
-        vocab.append(bytes(item))
-    return vocab
-
-
-def build_layout(decode: Sequence) -> TrieLayout:
-    """Build the trie over ``decode`` (index = token id) and its reduction plan.
-
-    Raises:
-        TypeError, ValueError: see :func:`as_byte_vocab`.
-    """
-    vocab = as_byte_vocab(decode)
     prefixes = sorted({token[:i] for token in vocab for i in range(len(token) + 1)})
-    prefixes.sort(key=len)  # stable: (length, bytes) order, root first
+    prefixes.sort(key=len)  # stable: (length, word) order, root first
     node_of = {prefix: node for node, prefix in enumerate(prefixes)}
     num_internal = len(prefixes)
     parent = np.empty(num_internal + len(vocab), dtype=np.int64)

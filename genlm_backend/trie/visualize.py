@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def visualize_trie(
-    trie: TokenCharacterTrie, ws=None, *, prefix: bytes = b"", max_nodes: int = 100
+    trie: TokenCharacterTrie, ws=None, *, prefix=b"", max_nodes: int = 100
 ) -> graphviz.Digraph:
     """Draw the sub-trie below ``prefix``: its first ``max_nodes`` nodes, breadth-first.
 
@@ -29,7 +29,8 @@ def visualize_trie(
         trie: The trie to draw.
         ws: ``None``, or one value per node (``[num_nodes]``, e.g. the result
             of ``trie.weight_sum(token_weights)``).
-        prefix: Byte prefix of the sub-trie's root; ``b""`` draws from the root.
+        prefix: Prefix (bytes, or a sequence of letters) of the sub-trie's root;
+            ``b""`` draws from the root.
         max_nodes: Most nodes drawn; a note node says how many were left out.
 
     Raises:
@@ -42,11 +43,11 @@ def visualize_trie(
     if not isinstance(max_nodes, int) or max_nodes < 1:
         raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
     values = _node_values(trie, ws)
-    start = trie.prefix_to_node(bytes(prefix))
+    start = trie.prefix_to_node(prefix)
     if start is None:
-        raise ValueError(f"no token starts with the prefix {bytes(prefix)!r}")
+        raise ValueError(f"no token starts with the prefix {prefix!r}")
     nodes, edges, num_left_out = _breadth_first(trie, start, max_nodes)
-    graph = graphviz.Digraph(comment=f"token-character trie below {bytes(prefix)!r}")
+    graph = graphviz.Digraph(comment=f"token-character trie below {prefix!r}")
     graph.attr(rankdir="LR")
     for node in nodes:
         _draw_node(graph, trie, node, values)
@@ -81,11 +82,17 @@ def _breadth_first(trie: TokenCharacterTrie, start: int, max_nodes: int):
             if len(nodes) >= max_nodes:
                 num_left_out += 1 + _num_descendants(trie, child)
                 continue
-            label = f"end of token {key[1]}" if isinstance(key, tuple) else repr(bytes([key]))[2:-1]
+            label = _edge_label(key)
             nodes.append(child)
             edges.append((node, child, label))
             queue.append(child)
     return nodes, edges, num_left_out
+
+
+def _edge_label(key) -> str:
+    if isinstance(key, tuple) and key[0] is None:
+        return f"end of token {key[1]}"
+    return repr(bytes([key]))[2:-1] if isinstance(key, int) else repr(key)
 
 
 def _num_descendants(trie: TokenCharacterTrie, node: int) -> int:

@@ -1,7 +1,10 @@
 """Validation of token-weight inputs, shared by every trie implementation.
 
-A weight vector has one floating-point entry per token (index = token id); a
-batch is a 2-D array/tensor ``[B, V]`` or a sequence of such vectors.
+A weight vector has one real entry per vocabulary item (``ws[i]`` for
+``decode[i]``): a tensor (on any device), a numpy array or a sequence of
+numbers. A batch is a 2-D array/tensor ``[B, V]`` or a sequence of vectors.
+Integer and bool weights are converted to floating point; complex, object and
+string data are rejected, as is NaN (every reduction of it is undefined).
 """
 
 from __future__ import annotations
@@ -17,28 +20,17 @@ Weights = np.ndarray | torch.Tensor
 def weights_to_numpy(ws, num_tokens: int, *, batched: bool) -> np.ndarray:
     """``ws`` as a float64 numpy array: ``[V]``, or ``[B, V]`` when ``batched``.
 
-    Accepts numpy arrays and CPU tensors of a floating dtype.
-
     Raises:
-        TypeError: not an array/tensor, or a non-floating dtype.
-        ValueError: wrong number of dimensions, wrong length, a tensor not on
-            the CPU, or a NaN entry.
+        TypeError: not an array, tensor or sequence of numbers, or a non-real dtype.
+        ValueError: wrong number of dimensions, wrong length, or a NaN entry.
     """
     if batched and _is_sequence_of_vectors(ws):
         ws = np.stack([weights_to_numpy(row, num_tokens, batched=False) for row in ws])
     if isinstance(ws, torch.Tensor):
-        if ws.device.type != "cpu":
-            raise ValueError(
-                f"weights are on {ws.device}, but this trie computes on the CPU; "
-                "move them with .cpu() or use ParallelTokenCharacterTrie(device=...)"
-            )
-        _check_torch_dtype(ws.dtype)
-        ws = ws.detach().to(torch.float64).numpy()
-    elif isinstance(ws, np.ndarray):
-        if not np.issubdtype(ws.dtype, np.floating):
-            raise TypeError(f"weights must have a floating dtype, got {ws.dtype}")
+        _check_tensor(ws)
+        ws = ws.detach().to(device="cpu", dtype=torch.float64).numpy()
     else:
-        raise TypeError(f"weights must be a numpy array or torch tensor, got {type(ws).__name__}")
+        ws = _as_real_array(ws)
     _check_shape(tuple(ws.shape), num_tokens, batched)
     ws = np.asarray(ws, dtype=np.float64)
     if np.isnan(ws).any():
@@ -49,31 +41,19 @@ def weights_to_numpy(ws, num_tokens: int, *, batched: bool) -> np.ndarray:
 def weights_to_tensor(ws, num_tokens: int, *, batched: bool, device: torch.device) -> torch.Tensor:
     """``ws`` as a float32 tensor on ``device``: ``[V]``, or ``[B, V]`` when ``batched``.
 
-    Accepts tensors already on ``device`` (any floating dtype) and numpy
-    arrays (copied to ``device``).
+    Tensors on another device are copied to ``device``.
 
     Raises:
-        TypeError: not an array/tensor, or a non-floating dtype.
-        ValueError: wrong number of dimensions, wrong length, a tensor on
-            another device, or a NaN entry.
+        TypeError: not an array, tensor or sequence of numbers, or a non-real dtype.
+        ValueError: wrong number of dimensions, wrong length, or a NaN entry.
     """
     if batched and _is_sequence_of_vectors(ws):
         ws = torch.stack(
             [weights_to_tensor(row, num_tokens, batched=False, device=device) for row in ws]
         )
-    if isinstance(ws, np.ndarray):
-        if not np.issubdtype(ws.dtype, np.floating):
-            raise TypeError(f"weights must have a floating dtype, got {ws.dtype}")
-        ws = torch.from_numpy(ws)
-    elif isinstance(ws, torch.Tensor):
-        if ws.device != device:
-            raise ValueError(
-                f"weights are on {ws.device}, but this trie lives on {device}; "
-                f"move them with .to({str(device)!r})"
-            )
-    else:
-        raise TypeError(f"weights must be a torch tensor or numpy array, got {type(ws).__name__}")
-    _check_torch_dtype(ws.dtype)
+    if not isinstance(ws, torch.Tensor):
+        ws = torch.from_numpy(_as_real_array(ws))
+    _check_tensor(ws)
     _check_shape(tuple(ws.shape), num_tokens, batched)
     ws = ws.detach().to(device=device, dtype=torch.float32)
     if torch.isnan(ws).any():
@@ -81,17 +61,43 @@ def weights_to_tensor(ws, num_tokens: int, *, batched: bool, device: torch.devic
     return ws
 
 
+def _as_real_array(ws) -> np.ndarray:
+    """A numpy array of a real dtype from an array or a (nested) sequence of numbers."""
+    if isinstance(ws, np.ndarray):
+        array = ws
+    elif isinstance(ws, Sequence) and not isinstance(ws, str | bytes):
+        try:
+            array = np.asarray(ws)
+        except ValueError as exc:  # ragged rows
+            raise ValueError(f"weights must be a rectangular array of numbers: {exc}") from None
+    else:
+        raise TypeError(
+            f"weights must be a torch tensor, numpy array or sequence of numbers, "
+            f"got {type(ws).__name__}"
+        )
+    if array.dtype.kind not in "fiub":
+        raise TypeError(f"weights must be real numbers, got dtype {array.dtype}")
+    return array
+
+
 def _is_sequence_of_vectors(ws) -> bool:
+    """A list/tuple of tensors or arrays (stacked row by row)."""
     if not isinstance(ws, Sequence) or isinstance(ws, str | bytes):
         return False
     if len(ws) == 0:
         raise ValueError("the batch of weights is empty")
-    return True
+    return isinstance(ws[0], torch.Tensor | np.ndarray)
+
+
+def _check_tensor(ws: torch.Tensor) -> None:
+    if ws.device.type == "meta":
+        raise ValueError("weights are on the meta device, which holds no values")
+    _check_torch_dtype(ws.dtype)
 
 
 def _check_torch_dtype(dtype: torch.dtype) -> None:
-    if not dtype.is_floating_point:
-        raise TypeError(f"weights must have a floating dtype, got {dtype}")
+    if dtype.is_complex:
+        raise TypeError(f"weights must be real numbers, got dtype {dtype}")
 
 
 def _check_shape(shape: tuple[int, ...], num_tokens: int, batched: bool) -> None:

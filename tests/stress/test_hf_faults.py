@@ -37,9 +37,9 @@ class RecordingTransformer(AsyncTransformer):
         self.faults = faults
         self.batches: list[tuple[list[tuple[int, ...]], int]] = []
 
-    def _compute_logprobs(self, contexts):
-        self.batches.append((list(contexts), self.faults.num_forwards))
-        return super()._compute_logprobs(contexts)
+    def _process_batch(self, requests):
+        self.batches.append(([request.context for request in requests], self.faults.num_forwards))
+        return super()._process_batch(requests)
 
     def contexts_of_failed_forwards(self, failed: set[int]) -> set[tuple[int, ...]]:
         """Contexts of the batches that ran one of the forwards numbered in ``failed``."""

@@ -75,12 +75,12 @@ class StressVirtualLM(AsyncVirtualLM):
         self.entered.clear()
         self.release.clear()
 
-    def _compute_logprobs(self, contexts):
-        self.batches.append(list(contexts))
+    def _process_batch(self, requests):
+        self.batches.append([request.context for request in requests])
         self.entered.set()
         if not self.release.wait(WAIT_S):
             raise TimeoutError("the held batch was never released")
-        return super()._compute_logprobs(contexts)
+        return super()._process_batch(requests)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,140 @@
+"""Every use of transformers' internals by the HF runner, in one place, checked at construction.
+
+The runner relies on transformers details beyond its documented API:
+``StaticCache`` layer attributes (adopting tensors the runner allocated),
+the attention-function registry and ``config._attn_implementation``. They are
+known to work with the versions in :data:`SUPPORTED_TRANSFORMERS`;
+:func:`check_transformers_version` raises a clear error elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+SUPPORTED_TRANSFORMERS = (5, 6)
+"""Major versions of transformers whose internals this module was written against: ``[5, 6)``."""
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise ``ImportError`` unless transformers' major version is in :data:`SUPPORTED_TRANSFORMERS`.
+
+    Args:
+        version: The version to check; the installed one when omitted.
+    """
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    major = int(version.split(".")[0])
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= major < high:
+        raise ImportError(
+            f"AsyncTransformer needs transformers >={low},<{high} (it uses StaticCache and attention "
+            f"internals of those versions); found {version}. Install a supported version: "
+            f"pip install 'transformers>={low},<{high}'"
+        )
+
+
+@contextmanager
+def head_sees_only(model, last: torch.Tensor | None):
+    """While active, the output head gets each row's hidden state at ``last[row]`` only.
+
+    Rows end at different new positions, so the model is asked for logits at
+    every new position; without this the head would compute ``[B, K, V]``
+    logits (``B * K * V`` floats, gigabytes for long prompts) to keep ``B`` rows.
+    The hook sits on the head module, so whatever the model does after it
+    (soft-capping, scaling) still applies. ``last=None`` leaves the head alone.
+    """
+    head = model.get_output_embeddings() if last is not None else None
+    if head is None:
+        yield
+        return
+
+    def gather_last(module, args):
+        hidden = args[0]  # [B, K, H] -> [B, 1, H]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return (hidden[rows, last][:, None], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather_last)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_GROUPED_SDPA = "genlm_sdpa_grouped_kv"
+
+
+def _sdpa_grouped_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' ``sdpa`` attention, except that masked grouped-query attention on CPU keeps its heads grouped.
+
+    With any mask, transformers repeats each key/value head once per query
+    head it serves before calling SDPA (CUDA's fused kernels take no mask with
+    grouped heads). That repeat copies every key and value of the batch in every
+    layer: about two thirds of a one-token step of 64 SmolLM2 rows over 130
+    cached tokens (``benchmarks/bench_attention.py``). On CPU, ``scaled_dot_product_attention(..., enable_gqa=True)``
+    takes a mask and gives the same result without the copy. Every other case
+    is handed to transformers' function unchanged.
+    """
+    plain = (
+        attention_mask is None
+        or query.device.type != "cpu"
+        or query.shape[1] == key.shape[1]
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+        or kwargs.get("output_attentions")
+    )
+    if plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def grouped_kv_attention(model):
+    """While active, a model using transformers' ``sdpa`` attention uses :func:`_sdpa_grouped_kv` instead."""
+    config = model.config.get_text_config(decoder=True)
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    _register_grouped_sdpa()
+    config._attn_implementation = _GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+@functools.cache
+def _register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_GROUPED_SDPA, _sdpa_grouped_kv)
+    AttentionMaskInterface.register(_GROUPED_SDPA, sdpa_mask)
+
+
+def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> None:
+    """Make a StaticCache layer use ``keys``/``values`` (``[B, H, T, D]``), ``num_filled`` slots already written.
+
+    Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
+    allocation: the runner writes or zeroes every slot itself.
+    """
+    layer.dtype, layer.device = keys.dtype, keys.device
+    layer.batch_size, layer.num_heads = keys.shape[:2]
+    layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+    layer.keys, layer.values = keys, values
+    layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
+    layer.is_initialized = True
+
+

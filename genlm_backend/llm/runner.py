@@ -1,0 +1,109 @@
+"""The seam between :class:`~genlm_backend.llm.base.AsyncLM` and a model: requests in, rows out.
+
+A runner turns a batch of distinct :class:`Request`\\ s into one ``[B, V]``
+tensor, synchronously and without asyncio. Each request carries its own
+adapter and context, so nothing about a request is read from state that may
+change between the call and the batch (e.g. a "current adapter").
+Everything else (validation, output cache, batching, sync bridge, sampling)
+lives once in ``AsyncLM``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One registration of a LoRA adapter: a name bound to weights.
+
+    Registering a name again makes a new ``Adapter`` (a new ``version``), so
+    results and keys/values cached under the old weights never match a request
+    made under the new ones. ``version`` is unique across all names of one
+    backend (vLLM uses it as the adapter's integer id).
+    """
+
+    name: str
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Request:
+    """One next-token request: a context, run under ``adapter`` (``None``: the base model)."""
+
+    adapter: Adapter | None
+    context: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    """What a runner reports to :class:`~genlm_backend.llm.base.LMStats`."""
+
+    num_tokens_computed: int
+    """Tokens the model ran (see ``LMStats.num_tokens_computed``)."""
+    kv_cache_bytes: int
+    """Bytes of keys/values held for prefix reuse (0 without such a cache)."""
+
+
+class Runner(Protocol):
+    """What ``AsyncLM`` needs from a model. Called with ``AsyncLM``'s compute lock held, never concurrently."""
+
+    def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Next-token log-probabilities of each (distinct) request.
+
+        Returns:
+            ``float32`` ``[len(requests), vocab_size]``, normalized per row, on the backend's device.
+
+        Raises:
+            ValueError: a request's adapter is not (or no longer) loaded.
+        """
+
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        """The reference: one plain forward over the whole context, no cache read or written. ``[vocab_size]``."""
+
+    @property
+    def stats(self) -> RunnerStats: ...
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Load ``adapter``'s weights (replacing an adapter of the same name).
+
+        Raises:
+            ValueError: this runner cannot serve adapters (the message says why).
+        """
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        """Unload ``adapter`` and drop every cache entry computed under it."""
+
+    def clear(self) -> None:
+        """Drop every cached key/value (model-side caches); results stay valid."""
+
+    def close(self) -> None:
+        """Release the model; later calls are not made."""
+
+
+def fit_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V_model]`` logits -> ``[B, vocab_size]`` float32 log-probabilities.
+
+    Columns past the tokenizer's vocabulary are dropped (the rest renormalized);
+    missing columns are ``-inf``.
+    """
+    logits = logits.float()
+    num_columns = logits.shape[-1]
+    if num_columns > vocab_size:
+        logits = logits[:, :vocab_size]
+    elif num_columns < vocab_size:
+        logits = torch.nn.functional.pad(logits, (0, vocab_size - num_columns), value=float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def group_by_adapter(requests: Sequence[Request]) -> dict[Adapter | None, list[int]]:
+    """Positions of the requests of each adapter, adapters in order of first appearance."""
+    groups: dict[Adapter | None, list[int]] = {}
+    for position, request in enumerate(requests):
+        groups.setdefault(request.adapter, []).append(position)
+    return groups
