@@ -42,8 +42,8 @@ REQUEST = "Make up a work email address for Jane Doe, who works at Example Corp.
 EMAIL_REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
 
 
-def build_sampler(model_dir: str, seed: int) -> tuple[AsyncTransformer, PromptedLLM, AWRS]:
-    """The language model, the prompted potential and an AWRS sampler constrained by the regex."""
+def build_potentials(model_dir: str) -> tuple[AsyncTransformer, PromptedLLM, object]:
+    """The language model, the prompted potential and the regex condition over its tokens."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     llm = AsyncTransformer(model, tokenizer)
@@ -53,7 +53,7 @@ def build_sampler(model_dir: str, seed: int) -> tuple[AsyncTransformer, Prompted
         return_dict=False,
     )
     condition = BoolFSA.from_regex(EMAIL_REGEX).coerce(potential, f=b"".join)
-    return llm, potential, AWRS(potential, condition, seed=seed)
+    return llm, potential, condition
 
 
 def seed_everything(seed: int) -> None:
@@ -62,12 +62,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-async def run_smc(llm, sampler: AWRS, seed: int, particles: int, max_tokens: int) -> dict:
-    """One SMC run from cold model caches; returns its time and what it sampled."""
+async def run_smc(llm, potential, condition, seed: int, particles: int, max_tokens: int, cache_prompt: bool) -> dict:
+    """One SMC run from cold model caches (the prompt's keys/values cached first if
+    ``cache_prompt``, inside the timed span); returns its time and what it sampled."""
     llm.clear_cache()
     seed_everything(seed)
-    sampler.rng = np.random.default_rng(seed)
+    sampler = AWRS(potential, condition, seed=seed)
     start = time.perf_counter()
+    if cache_prompt:
+        llm.cache_kv(list(potential.prompt_ids))
     sequences = await sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens)
     seconds = time.perf_counter() - start
     tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
@@ -82,14 +85,17 @@ async def run_smc(llm, sampler: AWRS, seed: int, particles: int, max_tokens: int
 
 
 async def time_runs(args) -> dict:
-    llm, potential, sampler = build_sampler(args.model_dir, args.warmup_seed)
-    await run_smc(llm, sampler, args.warmup_seed, args.particles, args.max_tokens)
-    runs = [await run_smc(llm, sampler, seed, args.particles, args.max_tokens) for seed in args.seeds]
+    llm, potential, condition = build_potentials(args.model_dir)
+    await run_smc(llm, potential, condition, args.warmup_seed, args.warmup_particles, args.max_tokens, args.cache_prompt)
+    runs = [
+        await run_smc(llm, potential, condition, seed, args.particles, args.max_tokens, args.cache_prompt)
+        for seed in args.seeds
+    ]
     return {"backend": BACKEND_NAME, "prompt_ids": list(potential.prompt_ids), "runs": runs}
 
 
 async def score_contexts(args) -> dict:
-    llm, _, _ = build_sampler(args.model_dir, args.warmup_seed)
+    llm, _, _ = build_potentials(args.model_dir)
     with open(args.contexts) as handle:
         contexts = json.load(handle)
     rows = await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
@@ -102,10 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["time", "score"])
     parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--particles", type=int, default=12)
+    parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--warmup-seed", type=int, default=1000)
+    parser.add_argument("--warmup-particles", type=int, default=2)
+    parser.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
+                        help="cache_kv(prompt) at the start of each run (upstream's advice)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
     parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")
