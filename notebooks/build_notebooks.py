@@ -134,6 +134,7 @@ GENLM_CONTROL = [
         "import genlm_backend.alias\n\n"
         "genlm_backend.alias.install()  # before the first `import genlm.backend` (genlm-control's)\n\n"
         "import re\n"
+        "import numpy as np\n"
         "import torch\n"
         "import genlm.backend, genlm_backend\n"
         "from genlm.control import AWRS, BoolFSA, PromptedLLM\n\n"
@@ -171,7 +172,8 @@ GENLM_CONTROL = [
         "them and reuses cached prefixes."
     ),
     new_code_cell(
-        "torch.manual_seed(0)\n"
+        "np.random.seed(0)  # resampling draws\n"
+        "torch.manual_seed(0)  # token draws\n"
         "sampler = AWRS(potential, condition, seed=0)\n"
         "sequences = await sampler.smc(n_particles=8, ess_threshold=0.5, max_tokens=24)\n"
         "sequences.decoded_posterior"
@@ -180,6 +182,11 @@ GENLM_CONTROL = [
         "matches = [bool(re.fullmatch(EMAIL, text)) for text in sequences.decoded_posterior]\n"
         "print(f'{len(matches)} distinct completions, all match the regex: {all(matches) and len(matches) > 0}')\n"
         "print(f'log marginal likelihood estimate: {sequences.log_ml:.3f}')"
+    ),
+    new_markdown_cell(
+        "Every completion is an address the regex accepts. The names can be odd: SmolLM2-135M "
+        "would rather start with a capital `J`, which the regex rules out, so the particles "
+        "spell the name from lower-probability tokens."
     ),
     new_markdown_cell(
         "What the backend did: tokens computed vs. requested shows the prefix reuse across "
