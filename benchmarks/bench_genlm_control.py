@@ -13,13 +13,12 @@ backends interleaved, order alternating). Afterwards both score the same
 contexts (every prefix of the particles upstream sampled) and the largest
 absolute difference of their next-token log-probabilities is reported.
 
-Usage::
+Usage (``genlm_control_env.sh`` creates both virtualenvs)::
 
+    bash benchmarks/genlm_control_env.sh
     python benchmarks/bench_genlm_control.py \\
         --ours-python /work/venvs/smc/bin/python \\
         --upstream-python /work/venvs/upstream-smc/bin/python --repeats 3
-
-Setting up both virtualenvs: docs/genlm_control.md.
 """
 
 from __future__ import annotations
