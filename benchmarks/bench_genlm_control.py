@@ -108,6 +108,9 @@ def summarize(results: dict, seeds: list[int]) -> dict:
         for ours, upstream in zip(out_ours["runs"], out_up["runs"])
     ]
     summary["ratio_upstream_over_ours"] = summary["upstream"]["median_s"] / summary["ours"]["median_s"]
+    paired = [up / ours for up, ours in zip(summary["upstream"]["seconds"], summary["ours"]["seconds"])]
+    summary["paired_ratios"] = paired  # same repeat, same seed: less exposed to load swings
+    summary["median_paired_ratio"] = statistics.median(paired)
     summary["identical_particles_per_run"] = same_samples
     summary["seeds"] = seeds
     summary["example_particles"] = results["ours"][0]["runs"][0]["texts"]
@@ -144,6 +147,8 @@ def main(argv=None) -> None:
     summary["max_abs_logprob_diff"] = max_logprob_difference(pythons, common, contexts_to_score(results["upstream"]))
     print(markdown(summary, args.particles, args.max_tokens))
     print(f"\nmax |logprob ours - upstream| over the scored contexts: {summary['max_abs_logprob_diff']:.1e}")
+    paired = ", ".join(f"{ratio:.1f}x" for ratio in summary["paired_ratios"])
+    print(f"upstream / ours per repeat: {paired} (median {summary['median_paired_ratio']:.1f}x)")
     print(f"identical particles per run: {summary['identical_particles_per_run']}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
