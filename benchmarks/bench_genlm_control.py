@@ -50,13 +50,17 @@ def drive(python: str, args: list[str]) -> dict:
     Raises:
         RuntimeError: the driver exited non-zero (its stderr tail is included).
     """
-    done = subprocess.run([python, str(DRIVER), *args], capture_output=True, text=True)
+    done = subprocess.run([python, str(DRIVER), *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{python} {DRIVER.name} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{python} {DRIVER.name} {' '.join(args)} failed:\n{done.stderr[-3000:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def timed_repeats(pythons: dict[str, str], common: list[str], seeds: list[int], repeats: int) -> dict:
+def timed_repeats(
+    pythons: dict[str, str], common: list[str], seeds: list[int], repeats: int
+) -> dict:
     """One process per backend per repeat, interleaved with alternating order."""
     results = {name: [] for name in pythons}
     names = list(pythons)
@@ -92,7 +96,10 @@ def max_logprob_difference(pythons: dict[str, str], common: list[str], contexts)
         scores = {}
         for name, python in pythons.items():
             out = Path(folder) / f"{name}.npy"
-            drive(python, ["score", *common, "--contexts", str(contexts_file), "--scores-out", str(out)])
+            drive(
+                python,
+                ["score", *common, "--contexts", str(contexts_file), "--scores-out", str(out)],
+            )
             scores[name] = np.load(out)
     return float(np.abs(scores["ours"] - scores["upstream"]).max())
 
@@ -107,8 +114,12 @@ def summarize(results: dict, seeds: list[int]) -> dict:
         for out_ours, out_up in zip(results["ours"], results["upstream"])
         for ours, upstream in zip(out_ours["runs"], out_up["runs"])
     ]
-    summary["ratio_upstream_over_ours"] = summary["upstream"]["median_s"] / summary["ours"]["median_s"]
-    paired = [up / ours for up, ours in zip(summary["upstream"]["seconds"], summary["ours"]["seconds"])]
+    summary["ratio_upstream_over_ours"] = (
+        summary["upstream"]["median_s"] / summary["ours"]["median_s"]
+    )
+    paired = [
+        up / ours for up, ours in zip(summary["upstream"]["seconds"], summary["ours"]["seconds"])
+    ]
     summary["paired_ratios"] = paired  # same repeat, same seed: less exposed to load swings
     summary["median_paired_ratio"] = statistics.median(paired)
     summary["identical_particles_per_run"] = same_samples
@@ -118,35 +129,62 @@ def summarize(results: dict, seeds: list[int]) -> dict:
 
 
 def markdown(summary: dict, particles: int, max_tokens: int) -> str:
-    rows = ["| particles x max tokens | backend | seconds (median) | all runs (s) | upstream / ours |", "|---|---|---|---|---|"]
+    rows = [
+        "| particles x max tokens | backend | seconds (median) | all runs (s) | upstream / ours |",
+        "|---|---|---|---|---|",
+    ]
     for name, label in (("upstream", "genlm-backend 0.3.1"), ("ours", "genlm_backend")):
         runs = ", ".join(f"{s:.2f}" for s in summary[name]["seconds"])
         ratio = f"{summary['ratio_upstream_over_ours']:.1f}x" if name == "ours" else "1.00x"
-        rows.append(f"| {particles}x{max_tokens} | {label} | {summary[name]['median_s']:.2f} | {runs} | {ratio} |")
+        rows.append(
+            f"| {particles}x{max_tokens} | {label} | {summary[name]['median_s']:.2f} | {runs} | {ratio} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ours-python", required=True, help="python of a venv with genlm_backend and genlm-control")
-    parser.add_argument("--upstream-python", required=True, help="python of a venv with genlm-backend 0.3.1 and genlm-control")
-    parser.add_argument("--model-dir", help="SmolLM2-135M-Instruct folder (default: genlm_backend's converted default model)")
+    parser.add_argument(
+        "--ours-python", required=True, help="python of a venv with genlm_backend and genlm-control"
+    )
+    parser.add_argument(
+        "--upstream-python",
+        required=True,
+        help="python of a venv with genlm-backend 0.3.1 and genlm-control",
+    )
+    parser.add_argument(
+        "--model-dir",
+        help="SmolLM2-135M-Instruct folder (default: genlm_backend's converted default model)",
+    )
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="timed SMC runs per process, one per seed")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="timed SMC runs per process, one per seed"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="processes per backend, interleaved")
     parser.add_argument("--json", type=Path, help="also write the summary to this JSON file")
     args = parser.parse_args(argv)
     model_dir = args.model_dir or default_model_dir()
     pythons = {"upstream": args.upstream_python, "ours": args.ours_python}
-    common = ["--model-dir", model_dir, "--particles", str(args.particles), "--max-tokens", str(args.max_tokens)]
+    common = [
+        "--model-dir",
+        model_dir,
+        "--particles",
+        str(args.particles),
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
     results = timed_repeats(pythons, common, args.seeds, args.repeats)
     summary = summarize(results, args.seeds)
     if args.json:  # the timings survive a failure while scoring
         args.json.write_text(json.dumps(summary, indent=2))
-    summary["max_abs_logprob_diff"] = max_logprob_difference(pythons, common, contexts_to_score(results["upstream"]))
+    summary["max_abs_logprob_diff"] = max_logprob_difference(
+        pythons, common, contexts_to_score(results["upstream"])
+    )
     print(markdown(summary, args.particles, args.max_tokens))
-    print(f"\nmax |logprob ours - upstream| over the scored contexts: {summary['max_abs_logprob_diff']:.1e}")
+    print(
+        f"\nmax |logprob ours - upstream| over the scored contexts: {summary['max_abs_logprob_diff']:.1e}"
+    )
     paired = ", ".join(f"{ratio:.1f}x" for ratio in summary["paired_ratios"])
     print(f"upstream / ours per repeat: {paired} (median {summary['median_paired_ratio']:.1f}x)")
     print(f"identical particles per run: {summary['identical_particles_per_run']}")

@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 
 try:  # genlm_backend serves `import genlm.backend` when it is installed
     from genlm_backend.alias import install as install_alias
@@ -33,10 +34,9 @@ except ImportError:
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from genlm.backend.llm import AsyncTransformer
 from genlm.control import AWRS, BoolFSA, PromptedLLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REQUEST = "Make up a work email address for Jane Doe, who works at Example Corp. Answer with the address only."
 EMAIL_REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
@@ -49,7 +49,9 @@ def build_potentials(model_dir: str) -> tuple[AsyncTransformer, PromptedLLM, obj
     llm = AsyncTransformer(model, tokenizer)
     potential = PromptedLLM(llm)
     potential.prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": REQUEST}], add_generation_prompt=True, tokenize=True,
+        [{"role": "user", "content": REQUEST}],
+        add_generation_prompt=True,
+        tokenize=True,
         return_dict=False,
     )
     condition = BoolFSA.from_regex(EMAIL_REGEX).coerce(potential, f=b"".join)
@@ -62,7 +64,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-async def run_smc(llm, potential, condition, seed: int, particles: int, max_tokens: int, cache_prompt: bool) -> dict:
+async def run_smc(
+    llm, potential, condition, seed: int, particles: int, max_tokens: int, cache_prompt: bool
+) -> dict:
     """One SMC run from cold model caches (the prompt's keys/values cached first if
     ``cache_prompt``, inside the timed span); returns its time and what it sampled."""
     llm.clear_cache()
@@ -78,7 +82,9 @@ async def run_smc(llm, potential, condition, seed: int, particles: int, max_toke
         "seed": seed,
         "seconds": seconds,
         "token_ids": [[t.token_id for t in ctx] for ctx in tokens],
-        "texts": [b"".join(t.byte_string for t in ctx).decode("utf-8", "replace") for ctx in tokens],
+        "texts": [
+            b"".join(t.byte_string for t in ctx).decode("utf-8", "replace") for ctx in tokens
+        ],
         "log_weights": [float(w) for w in sequences.log_weights],
         "log_ml": float(sequences.log_ml),
     }
@@ -86,9 +92,19 @@ async def run_smc(llm, potential, condition, seed: int, particles: int, max_toke
 
 async def time_runs(args) -> dict:
     llm, potential, condition = build_potentials(args.model_dir)
-    await run_smc(llm, potential, condition, args.warmup_seed, args.warmup_particles, args.max_tokens, args.cache_prompt)
+    await run_smc(
+        llm,
+        potential,
+        condition,
+        args.warmup_seed,
+        args.warmup_particles,
+        args.max_tokens,
+        args.cache_prompt,
+    )
     runs = [
-        await run_smc(llm, potential, condition, seed, args.particles, args.max_tokens, args.cache_prompt)
+        await run_smc(
+            llm, potential, condition, seed, args.particles, args.max_tokens, args.cache_prompt
+        )
         for seed in args.seeds
     ]
     return {"backend": BACKEND_NAME, "prompt_ids": list(potential.prompt_ids), "runs": runs}
@@ -96,8 +112,7 @@ async def time_runs(args) -> dict:
 
 async def score_contexts(args) -> dict:
     llm, _, _ = build_potentials(args.model_dir)
-    with open(args.contexts) as handle:
-        contexts = json.load(handle)
+    contexts = json.loads(Path(args.contexts).read_text())
     rows = await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
     scores = torch.stack([row.detach().to(torch.float64).cpu() for row in rows]).numpy()
     np.save(args.scores_out, scores)
@@ -113,8 +128,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--warmup-seed", type=int, default=1000)
     parser.add_argument("--warmup-particles", type=int, default=2)
-    parser.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
-                        help="cache_kv(prompt) at the start of each run (upstream's advice)")
+    parser.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cache_kv(prompt) at the start of each run (upstream's advice)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
     parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")
