@@ -57,6 +57,14 @@ class ClientsSelection:
         self.outcomes_path = outcomes_path
         self.outcomes: dict[str, str] = {}
 
+    def pytest_ignore_collect(self, collection_path, config):
+        """Whole files listed as not runnable are not even imported (they may fail to import)."""
+        relative = collection_path.relative_to(config.rootpath).as_posix()
+        if relative.endswith(".py") and any(prefix == relative for prefix, _ in self.not_runnable):
+            self.outcomes[relative] = "deselected"
+            return True
+        return None
+
     def pytest_collection_modifyitems(self, config, items):
         kept, deselected = [], []
         for item in items:
