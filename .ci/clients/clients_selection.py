@@ -56,6 +56,7 @@ class ClientsSelection:
         self.departures = departures if backend == "ours" else []
         self.outcomes_path = outcomes_path
         self.outcomes: dict[str, str] = {}
+        self.durations_s: dict[str, float] = {}
 
     def pytest_ignore_collect(self, collection_path, config):
         """Whole files listed as not runnable are not even imported (they may fail to import)."""
@@ -82,6 +83,7 @@ class ClientsSelection:
         items[:] = kept
 
     def pytest_runtest_logreport(self, report):
+        self.durations_s[report.nodeid] = self.durations_s.get(report.nodeid, 0.0) + report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcomes[report.nodeid] = _outcome(report)
 
@@ -92,6 +94,9 @@ class ClientsSelection:
     def pytest_sessionfinish(self, session):
         self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
         self.outcomes_path.write_text(json.dumps(self.outcomes, indent=0, sort_keys=True))
+        durations = {test: round(seconds, 2) for test, seconds in self.durations_s.items()}
+        durations_path = self.outcomes_path.with_name(self.outcomes_path.stem + "-durations.json")
+        durations_path.write_text(json.dumps(durations, indent=0, sort_keys=True))
 
 
 def _outcome(report) -> str:
