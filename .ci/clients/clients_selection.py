@@ -92,6 +92,8 @@ class ClientsSelection:
             self.outcomes[report.nodeid] = "collect-error"
 
     def pytest_sessionfinish(self, session):
+        if hasattr(session.config, "workerinput"):
+            return  # a pytest-xdist worker: the controller sees every report and writes
         self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
         self.outcomes_path.write_text(json.dumps(self.outcomes, indent=0, sort_keys=True))
         durations = {test: round(seconds, 2) for test, seconds in self.durations_s.items()}

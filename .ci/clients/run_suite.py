@@ -64,6 +64,9 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
                "-p", "clients_selection", f"--timeout={TIMEOUT_PER_TEST_S}"]
     if backend == "ours":
         command[3:3] = ["-p", "genlm_backend.alias"]
+    workers = os.environ.get("CLIENTS_PYTEST_WORKERS")
+    if workers:  # pytest-xdist; one file per worker keeps module-scoped models shared
+        command += ["-n", workers, "--dist", "loadfile"]
     print(f"== {suite} ({backend}): {' '.join(command)}", flush=True)
     return subprocess.run(command, cwd=folder, env=env).returncode
 
