@@ -31,7 +31,7 @@ mkdir -p "$work"
 
 # 1. A venv of its own; torch first (CPU build), then pinned by constraints.
 if [ ! -x "$python" ]; then
-    python3.11 -m venv "$venv"
+    "$(command -v python3.11 || command -v python3)" -m venv "$venv"
 fi
 "$python" -m pip install -q --upgrade pip
 "$python" -m pip install -q torch==2.13.0
