@@ -14,10 +14,12 @@ import argparse
 import collections
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +70,12 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
     if workers:  # pytest-xdist; one file per worker keeps module-scoped models shared
         command += ["-n", workers, "--dist", "loadfile"]
     print(f"== {suite} ({backend}): {' '.join(command)}", flush=True)
-    return subprocess.run(command, cwd=folder, env=env).returncode
+    started = time.monotonic()
+    status = subprocess.run(command, cwd=folder, env=env).returncode
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"== {suite} ({backend}): exit {status}, {time.monotonic() - started:.0f} s wall, "
+          f"{usage.ru_utime + usage.ru_stime:.0f} s CPU", flush=True)
+    return status
 
 
 def count(outcomes: dict[str, str]) -> collections.Counter:
