@@ -136,3 +136,21 @@ def test_mock_serves_adapters_per_request():
     llm.add_new_lora("weights-2", "a")
     assert (llm.next_token_logprobs_sync([1], lora_name="a") - adapted).abs().max() > 1e-3
     llm.close()
+
+
+def test_output_cache_as_an_upstream_mapping_with_maxsize():
+    from genlm_backend.cache import OutputCache
+
+    cache = OutputCache(maxsize=2)
+    for name in ("a", "b", "c"):
+        cache[name] = torch.full((4,), float(ord(name)))
+    assert len(cache) == 2 and "a" not in cache and "b" in cache and "c" in cache
+    assert cache["c"][0].item() == ord("c")
+    with pytest.raises(KeyError):
+        cache["a"]
+    with pytest.raises(ValueError, match="budget_bytes or maxsize"):
+        OutputCache()
+    both = OutputCache(64, maxsize=10)  # the byte budget still binds: 4 rows of 16 bytes
+    for i in range(6):
+        both[i] = torch.zeros(4)
+    assert len(both) == 4

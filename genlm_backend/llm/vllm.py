@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from genlm_backend.llm import vllm_compat
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.llm.vllm_runner import VLLMRunner
+
 VLLM_ENV_DEFAULTS: Mapping[str, str] = {
     # Keep the engine core in this process: captured rows then never cross a process.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
