@@ -14,7 +14,8 @@
 #
 # Environment: CLIENTS_VENV (default /tmp/clients-venv), CLIENTS_WORK (default
 # /tmp/clients-work), CLIENTS_SUITES (default "control bytes llamppl upstream"),
-# CLIENTS_BACKEND (ours | upstream).
+# CLIENTS_BACKEND (ours | upstream), CLIENTS_PYTEST_WORKERS (pytest-xdist workers,
+# default 2), CLIENTS_TEST_TIMEOUT_S (per test, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -24,11 +25,13 @@ venv="${CLIENTS_VENV:-/tmp/clients-venv}"
 work="${CLIENTS_WORK:-/tmp/clients-work}"
 suites="${CLIENTS_SUITES-control bytes llamppl upstream}"
 python="$venv/bin/python"
+export CLIENTS_PYTEST_WORKERS="${CLIENTS_PYTEST_WORKERS-2}"
+export CLIENTS_TEST_TIMEOUT_S="${CLIENTS_TEST_TIMEOUT_S:-300}"
 mkdir -p "$work"
 
 # 1. A venv of its own; torch first (CPU build), then pinned by constraints.
 if [ ! -x "$python" ]; then
-    python3.11 -m venv "$venv"
+    "$(command -v python3.11 || command -v python3)" -m venv "$venv"
 fi
 "$python" -m pip install -q --upgrade pip
 "$python" -m pip install -q torch==2.13.0

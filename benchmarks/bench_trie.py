@@ -73,16 +73,19 @@ def load_vocab(name: str) -> list[bytes]:
 
 
 def bench_ours(vocab: list[bytes], repeats: int) -> dict:
+    import numpy as np
     import torch
 
+    from genlm_backend.tokenization.token import make_tokens
     from genlm_backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
 
+    vocab = make_tokens(vocab)  # what decode_vocab returns (plain bytes are deprecated)
     start = time.perf_counter()
     trie = ParallelTokenCharacterTrie(vocab, device="cpu")
     build_s = time.perf_counter() - start
     probs, logprobs = make_workload(len(vocab))
     sequential = TokenCharacterTrie(vocab)
-    internal = dict(enumerate(trie.node2prefix[: trie.num_internal_nodes]))
+    internal = {node: trie.node2prefix[node] for node in range(trie.num_internal_nodes)}
     probs64, logprobs64 = probs.double().numpy(), logprobs.double().numpy()
     return {
         "num_nodes": trie.num_nodes,
@@ -90,8 +93,8 @@ def bench_ours(vocab: list[bytes], repeats: int) -> dict:
         "batch_weight_sum": timed(lambda: trie.batch_weight_sum(probs), repeats),
         "batch_weight_max": timed(lambda: trie.batch_weight_max(logprobs), repeats),
         "batch_weight_logsumexp": timed(lambda: trie.batch_weight_logsumexp(logprobs), repeats),
-        "batch_weight_sum + .contiguous()": timed(
-            lambda: trie.batch_weight_sum(probs).contiguous(), repeats
+        "batch_weight_sum + C order": timed(
+            lambda: np.ascontiguousarray(trie.batch_weight_sum(probs)), repeats
         ),
         "sequential float64 batch_weight_sum": timed(
             lambda: sequential.batch_weight_sum(probs64), max(3, repeats // 4)
@@ -173,7 +176,7 @@ def format_table(results: dict, num_threads: int) -> str:
         lines.append(_row(vocab_label, "build (s)", upstream and upstream["build_s"],
                           ours["build_s"], "{:.2f}"))
         for op in ("batch_weight_sum", "batch_weight_max", "batch_weight_logsumexp",
-                   "batch_weight_sum + .contiguous()", "sequential float64 batch_weight_sum",
+                   "batch_weight_sum + C order", "sequential float64 batch_weight_sum",
                    "sequential float64 batch_weight_max"):
             base = upstream.get(op) if upstream else None
             lines.append(_row(vocab_label, op, base, ours[op], None))

@@ -173,3 +173,15 @@ def test_command_line_without_target_prints_usage(argv):
     result = _run("", "-m", "genlm_backend.alias", *argv)
     assert result.returncode != 0
     assert "usage: python -m genlm_backend.alias" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["AsyncMlxLM", "AsyncSGLTransformer"])
+def test_upstream_only_backends_import_but_raise_when_built(name):
+    from genlm_backend.errors import BackendNotAvailableError
+    from genlm_backend import llm
+
+    backend = getattr(llm, name)
+    with pytest.raises(BackendNotAvailableError, match="use load_model_by_name"):
+        backend.from_name("any-model")
+    with pytest.raises(BackendNotAvailableError, match="genlm_backend has no"):
+        backend(object())

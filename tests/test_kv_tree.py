@@ -178,3 +178,30 @@ def test_random_workloads_match_a_brute_force_model(seed, budget_blocks):
 def entry_context(entry: KVEntry) -> list[int]:
     keys, _ = entry.block.keys_values(0, entry.row, entry.start, entry.length)
     return [int(t) for t in keys[0, :, 0]]
+
+
+def test_drop_namespace_evicts_exactly_that_namespace():
+    tree = KVPrefixTree(1 << 20)
+    kept = cache_contexts(tree, [[1, 2, 3], [1, 4]], namespace="a")
+    cache_contexts(tree, [[1, 2, 3], [7]], namespace="b")
+    bytes_before = tree.bytes_held
+    assert tree.drop_namespace("b") == 2
+    assert tree.bytes_held == bytes_before - kept.nbytes  # b's block was freed, a's kept
+    assert reused_tokens(tree, [1, 2, 3, 9], namespace="b") == []
+    assert reused_tokens(tree, [1, 2, 3, 9], namespace="a") == [1, 2, 3]
+    assert tree.drop_namespace("missing") == 0
+
+
+def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_each_row():
+    tree = KVPrefixTree(1 << 20)
+    contexts = [[1, 2, 3], [4, 5, 6]]
+    block = make_block(contexts, [0, 0], num_slots=5)
+    assert tree.commit(block, [(c, row, 0) for row, c in enumerate(contexts)])
+    assert block.row_ends == [3, 3]
+    steps = [tree.longest_prefix(c + [9]) for c in contexts]
+    assert tree.extendable_block(steps) is block
+    assert tree.extendable_block(steps[::-1]) is None  # rows swapped: not each row's own slots
+    assert tree.extendable_block([steps[0]]) is None  # not every row of the block steps
+    short = [tree.longest_prefix(c[:2] + [9]) for c in contexts]  # branches off inside: slots taken
+    assert tree.extendable_block([(e, min(n, 2)) for e, n in short]) is None
+    assert not KVPrefixTree(0).commit(make_block(contexts, [0, 0], 5), [(contexts[0], 0, 0)])

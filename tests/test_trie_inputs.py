@@ -135,8 +135,11 @@ def test_bad_vocabularies(decode, error, match):
 
 
 def test_plain_bytes_are_deprecated_and_duplicates_rejected():
-    with pytest.warns(DeprecationWarning, match="plain bytes"):
+    with pytest.warns(DeprecationWarning, match="plain bytes") as record:
         trie = TokenCharacterTrie([Token(0, b"a"), b"b"])
+    with pytest.warns(DeprecationWarning) as from_parallel:
+        ParallelTokenCharacterTrie([b"a"], device="cpu")
+    assert record[0].filename == from_parallel[0].filename == __file__  # the caller's line
     assert trie.word2leaf == {(b"a", 0): trie.token_id_to_leaf[0], b"b": trie.token_id_to_leaf[1]}
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Duplicate word"):
         TokenCharacterTrie([b"a", b"a"])

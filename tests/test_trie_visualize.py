@@ -54,3 +54,20 @@ def test_building_needs_no_dot_but_rendering_says_it_is_missing(monkeypatch, tmp
     assert "digraph" in graph.source
     with pytest.raises(graphviz.ExecutableNotFound, match="dot"):
         graph.pipe(format="svg")
+
+
+def test_non_byte_letters_are_drawn_by_repr():
+    pytest.importorskip("graphviz")
+
+    class EndOfSequence:
+        def __iter__(self):
+            return iter([self])
+
+        def __repr__(self):
+            return "EOS"
+
+    eos = EndOfSequence()
+    trie = TokenCharacterTrie([*VOCAB, eos])
+    source = trie.visualize(np.asarray(trie.weight_sum(np.ones(len(VOCAB) + 1)))).source
+    assert "label=EOS" in source and source.count("doublecircle") == len(VOCAB) + 1
+    assert 'label="(EOS,)"' in trie.visualize(prefix=[eos]).source

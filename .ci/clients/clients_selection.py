@@ -56,6 +56,15 @@ class ClientsSelection:
         self.departures = departures if backend == "ours" else []
         self.outcomes_path = outcomes_path
         self.outcomes: dict[str, str] = {}
+        self.durations_s: dict[str, float] = {}
+
+    def pytest_ignore_collect(self, collection_path, config):
+        """Whole files listed as not runnable are not even imported (they may fail to import)."""
+        relative = collection_path.relative_to(config.rootpath).as_posix()
+        if relative.endswith(".py") and any(prefix == relative for prefix, _ in self.not_runnable):
+            self.outcomes[relative] = "deselected"
+            return True
+        return None
 
     def pytest_collection_modifyitems(self, config, items):
         kept, deselected = [], []
@@ -74,6 +83,7 @@ class ClientsSelection:
         items[:] = kept
 
     def pytest_runtest_logreport(self, report):
+        self.durations_s[report.nodeid] = self.durations_s.get(report.nodeid, 0.0) + report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcomes[report.nodeid] = _outcome(report)
 
@@ -82,8 +92,13 @@ class ClientsSelection:
             self.outcomes[report.nodeid] = "collect-error"
 
     def pytest_sessionfinish(self, session):
+        if hasattr(session.config, "workerinput"):
+            return  # a pytest-xdist worker: the controller sees every report and writes
         self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
         self.outcomes_path.write_text(json.dumps(self.outcomes, indent=0, sort_keys=True))
+        durations = {test: round(seconds, 2) for test, seconds in self.durations_s.items()}
+        durations_path = self.outcomes_path.with_name(self.outcomes_path.stem + "-durations.json")
+        durations_path.write_text(json.dumps(durations, indent=0, sort_keys=True))
 
 
 def _outcome(report) -> str:

@@ -4,7 +4,7 @@
 
 Reads ``results/ours-SUITE.json`` under OURS_WORK and ``results/upstream-SUITE.json``
 under UPSTREAM_WORK (written by ``clients.sh``), prints the Markdown table (per suite:
-tests run, passed on upstream, passed on genlm_backend, known departures) and every
+tests selected, skipped and passed on upstream, passed on genlm_backend, known departures) and every
 test that passes on upstream but not on genlm_backend and is not a known departure.
 Exits 1 if there is such a test.
 """
@@ -32,8 +32,9 @@ def load(work: Path, backend: str, suite: str) -> dict[str, str]:
 def compare(ours_work: Path, upstream_work: Path) -> list[str]:
     """Print the table; return ``suite: test (outcome)`` for each unexplained regression."""
     regressions = []
-    print("| suite | tests run | passed on upstream 0.3.1 | passed on genlm_backend | known departures (xfail) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| suite | tests selected | skipped on upstream (GPU, MLX, ...) | passed on upstream 0.3.1 "
+          "| passed on genlm_backend | known departures (xfail) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for suite in SUITES:
         ours, upstream = load(ours_work, "ours", suite), load(upstream_work, "upstream", suite)
         if not ours or not upstream:
@@ -42,8 +43,9 @@ def compare(ours_work: Path, upstream_work: Path) -> list[str]:
         upstream_passed = [test for test in run if upstream[test] == "passed"]
         ours_passed = [test for test in run if ours.get(test) in ("passed", "xpassed")]
         departures = [test for test in run if ours.get(test) == "xfailed"]
-        print(f"| {TITLES[suite]} | {len(run)} | {len(upstream_passed)} | {len(ours_passed)} "
-              f"| {len(departures)} |")
+        skipped = [test for test in run if upstream[test] == "skipped"]
+        print(f"| {TITLES[suite]} | {len(run)} | {len(skipped)} | {len(upstream_passed)} "
+              f"| {len(ours_passed)} | {len(departures)} |")
         for test in upstream_passed:
             if ours.get(test) not in ("passed", "xpassed", "xfailed"):
                 regressions.append(f"{suite}: {test} ({ours.get(test, 'not run')})")

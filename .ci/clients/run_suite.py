@@ -14,10 +14,12 @@ import argparse
 import collections
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,7 +31,9 @@ SUITES = {
     "llamppl": ("llamppl-0.2.3", ["llamppl"]),
     "upstream": ("genlm_backend-0.3.1", ["genlm"]),
 }
-TIMEOUT_PER_TEST_S = 300
+# A test that runs longer fails (random-weight stand-ins can make a sampler search
+# without end); CLIENTS_TEST_TIMEOUT_S overrides it.
+TIMEOUT_PER_TEST_S = int(os.environ.get("CLIENTS_TEST_TIMEOUT_S", "60"))
 
 
 def unpack(sdists: Path, work: Path, suite: str, backend: str) -> Path:
@@ -62,8 +66,16 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
                "-p", "clients_selection", f"--timeout={TIMEOUT_PER_TEST_S}"]
     if backend == "ours":
         command[3:3] = ["-p", "genlm_backend.alias"]
+    workers = os.environ.get("CLIENTS_PYTEST_WORKERS")
+    if workers:  # pytest-xdist; one file per worker keeps module-scoped models shared
+        command += ["-n", workers, "--dist", "loadfile"]
     print(f"== {suite} ({backend}): {' '.join(command)}", flush=True)
-    return subprocess.run(command, cwd=folder, env=env).returncode
+    started = time.monotonic()
+    status = subprocess.run(command, cwd=folder, env=env).returncode
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"== {suite} ({backend}): exit {status}, {time.monotonic() - started:.0f} s wall, "
+          f"{usage.ru_utime + usage.ru_stime:.0f} s CPU", flush=True)
+    return status
 
 
 def count(outcomes: dict[str, str]) -> collections.Counter:

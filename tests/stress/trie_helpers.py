@@ -57,7 +57,7 @@ def check(reference: TokenCharacterTrie, calls: list[tuple[str, torch.Tensor]], 
         if not chosen:
             continue
         want = getattr(reference, f"batch_weight_{op}")(torch.stack([ws for ws, _ in chosen]).double().numpy())
-        got = torch.stack([got for _, got in chosen]).double().numpy()
+        got = np.stack([np.asarray(got) for _, got in chosen]).astype(np.float64)
         if op == "max":
             np.testing.assert_array_equal(got, want)
         else:

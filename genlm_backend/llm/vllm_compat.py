@@ -1,0 +1,110 @@
+"""Every use of vLLM's internals by the vLLM runner (besides the capture processor), checked at construction.
+
+Particle sessions drive the in-process engine core directly: its scheduler
+(``engine_core.engine_core.scheduler``), streaming-input requests
+(``resumable=True``, ``RequestStatus.WAITING_FOR_STREAMING_REQ``) and
+``EngineCoreRequest.external_req_id``. The capture processor
+(:mod:`~genlm_backend.llm.vllm_capture`) uses vLLM's logits-processor
+interfaces. These are known to work with the versions in
+:data:`SUPPORTED_VLLM`; :func:`check_vllm_version` raises a clear error elsewhere.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+"""vLLM versions ``[low, high)`` (major, minor) whose internals this module was written against."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise ``ImportError`` unless vLLM's (major, minor) version is in :data:`SUPPORTED_VLLM`.
+
+    Args:
+        version: The version to check; the installed one when omitted.
+    """
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    major_minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    low, high = SUPPORTED_VLLM
+    if not low <= major_minor < high:
+        raise ImportError(
+            f"AsyncVirtualLM needs vllm >={low[0]}.{low[1]},<{high[0]}.{high[1]} (it relies on engine "
+            f"internals of those versions); found {version}. Install a supported version: "
+            f"pip install 'vllm>={low[0]}.{low[1]},<{high[0]}.{high[1]}'"
+        )
+
+
+def sampling_params(capture_id: str):
+    """One greedy token whose log-probability row is captured under ``capture_id``."""
+    from vllm import SamplingParams
+
+    from genlm_backend.llm.vllm_capture import REQUEST_ID_ARG
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: capture_id})
+
+
+def add_plain_request(engine, request_id: str, context, lora_request) -> None:
+    """A one-token request through the engine's public ``add_request``; its row is captured under its id."""
+    from vllm.inputs.engine import tokens_input
+
+    engine.add_request(request_id, tokens_input(list(context)), sampling_params(request_id), lora_request=lora_request)
+
+
+def add_session_request(engine, request_id: str, tokens, capture_id: str, resumable: bool, lora_request) -> None:
+    """Send ``tokens`` as a new request, or as the next input of the open session ``request_id``."""
+    from vllm.inputs.engine import tokens_input
+
+    request = engine.input_processor.process_inputs(
+        request_id, tokens_input(list(tokens)), sampling_params(capture_id),
+        supported_tasks=engine.get_supported_tasks(), resumable=resumable, lora_request=lora_request,
+    )
+    # These requests bypass the output processor (rows come from the capture
+    # store), so the engine core gets each with its id as given.
+    request.external_req_id = request.request_id
+    engine.engine_core.add_request(request)
+
+
+def is_busy(scheduler, request_id: str) -> bool:
+    """Whether ``request_id`` is still running its turn (not finished, not an idle session)."""
+    from vllm.v1.request import RequestStatus
+
+    request = scheduler.requests.get(request_id)
+    return request is not None and request.status != RequestStatus.WAITING_FOR_STREAMING_REQ
+
+
+def in_process_scheduler(engine):
+    """The scheduler particle sessions use, or ``None`` where they are not supported.
+
+    Supported: the engine core in this process, one worker, the V1 model runner
+    (the one sessions were tested with).
+    """
+    core = getattr(engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    config = engine.vllm_config
+    if scheduler is None or config.parallel_config.world_size != 1 or config.use_v2_model_runner:
+        return None
+    return scheduler
+
+
+def underlying_model(engine):
+    """The torch model the engine's (single, in-process) worker runs.
+
+    Raises:
+        RuntimeError: the engine core or its worker is not in this process.
+    """
+    try:
+        worker = engine.engine_core.engine_core.model_executor.driver_worker.worker
+        return worker.model_runner.model
+    except AttributeError as exc:
+        raise RuntimeError("the model is reachable only with the engine core in this process") from exc
+
+
+def cleanup_process_state() -> None:
+    """Tear down vLLM's process-wide distributed state once no capture engine is left."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from genlm_backend.llm.vllm_capture import num_live_stores
+
+    if num_live_stores() == 0:
+        cleanup_dist_env_and_memory()

@@ -1,0 +1,237 @@
+"""Batches of requests through a vLLM capture engine: one engine request per context, particle sessions.
+
+The data path of one batch (in the AsyncLM worker thread)::
+
+    requests -> one engine request each (max_tokens=1, capture id in extra_args,
+                the request's LoRARequest) -> LLMEngine.step() until all finish
+        -> the capture processor files log_softmax rows by capture id (vllm_capture)
+        -> collective_rpc: take the rows -> [B, V] float32 -> trimmed to the vocabulary
+
+Particle sessions. A finished request leaves only whole KV blocks in vLLM's
+prefix cache, so a context one token longer than a finished one would
+recompute everything past its last full block. When the engine core runs in
+this process, each request is therefore *resumable* (a vLLM streaming-input
+session): it keeps its keys/values, partial block included, and a later
+request that extends it by one token, under the same adapter, is sent to it
+as that one token. Sessions are kept by request, least recently used first
+out, at most ``max_sessions``.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from genlm_backend.errors import CaptureError
+from genlm_backend.llm import vllm_compat
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab
+
+
+class VLLMRunner:
+    """Turns batches of requests into rows of a capture engine (see :func:`~genlm_backend.llm.vllm.build_capture_engine`).
+
+    Args:
+        engine: A ``vllm.v1.engine.llm_engine.LLMEngine`` built for capture.
+        vocab_size: Columns of the output.
+        device: Where rows are returned.
+        max_sessions: Most particle sessions kept open; 0 turns them off.
+    """
+
+    def __init__(self, engine, vocab_size: int, device: torch.device, max_sessions: int):
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_sessions = max_sessions
+        self.num_tokens_submitted = 0
+        self._request_numbers = itertools.count()
+        self._scheduler = vllm_compat.in_process_scheduler(engine)
+        self._sessions: OrderedDict[Request, str] = OrderedDict()  # request -> engine request id
+
+    @property
+    def stats(self) -> RunnerStats:
+        # Tokens sent to vLLM: whole contexts for new requests, one token per session step.
+        return RunnerStats(num_tokens_computed=self.num_tokens_submitted, kv_cache_bytes=0)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        if self._scheduler is not None and self.max_sessions > 0:
+            return self._run_in_sessions(requests)
+        self._close_sessions(self._least_recent_sessions(len(self._sessions)))  # max_sessions set to 0
+        return self._run_plain(requests)
+
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        """One plain engine request (vLLM's prefix cache may still serve its prefix)."""
+        return self._run_plain([request])[0]
+
+    def _run_plain(self, requests: Sequence[Request]) -> torch.Tensor:
+        request_ids = [f"genlm-{next(self._request_numbers)}" for _ in requests]
+        try:
+            for request_id, request in zip(request_ids, requests):
+                vllm_compat.add_plain_request(
+                    self.engine, request_id, request.context, self._lora_request(request.adapter)
+                )
+                self.num_tokens_submitted += len(request.context)
+            self._run_until_finished(request_ids)
+            logprobs = self._take_logprobs(request_ids)  # [B, V_model] float32
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            self._rpc("genlm_discard_logprobs", request_ids)
+            raise
+        return fit_to_vocab(logprobs, self.vocab_size).to(self.device)
+
+    def _run_until_finished(self, request_ids: list[str]) -> None:
+        pending = set(request_ids)
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise CaptureError(f"the engine stopped with {len(pending)} requests unfinished")
+            for output in self.engine.step():
+                if output.finished:
+                    pending.discard(output.request_id)
+
+    # ------------------------------------------------------------------ particle sessions
+
+    def _plan_sessions(self, requests: Sequence[Request]) -> tuple[list[tuple[str, Request, tuple[int, ...], bool]], int]:
+        """Per request (engine request id, request, tokens to send, keep as session), and how many sessions to close."""
+        # An idle session holds one of vLLM's active-request slots; one slot stays
+        # free so that requests beyond the sessions can always run.
+        num_slots = max(0, min(self.max_sessions, self._scheduler.max_num_active_reqs - 1))
+        plan = []
+        for request in requests:
+            parent = Request(request.adapter, request.context[:-1])
+            session = self._sessions.pop(parent, None)
+            plan.append((session, request, request.context[-1:], True) if session else (None, request, request.context, False))
+        num_open = sum(keep for *_, keep in plan)
+        for i, (session, request, tokens, _) in enumerate(plan):
+            if session is None:
+                keep = num_open < num_slots
+                num_open += keep
+                prefix = "genlm-session" if keep else "genlm"
+                plan[i] = (f"{prefix}-{next(self._request_numbers)}", request, tokens, keep)
+        return plan, len(self._sessions) + num_open - num_slots
+
+    def _run_in_sessions(self, requests: Sequence[Request]) -> torch.Tensor:
+        """One row per request: a one-token step of an open session, a new session, or a plain request."""
+        stale = [self._sessions.pop(r) for r in requests if r in self._sessions]  # recomputed anew
+        plan, num_to_close = self._plan_sessions(requests)
+        capture_ids = [f"genlm-capture-{next(self._request_numbers)}" for _ in requests]
+        request_ids = [request_id for request_id, *_ in plan]
+        try:
+            self._close_sessions(stale + self._least_recent_sessions(num_to_close))
+            for (request_id, request, tokens, keep), capture_id in zip(plan, capture_ids):
+                vllm_compat.add_session_request(
+                    self.engine, request_id, tokens, capture_id, keep, self._lora_request(request.adapter)
+                )
+                self.num_tokens_submitted += len(tokens)
+            self._run_until_done(request_ids)
+            logprobs = self._take_logprobs(capture_ids)
+        except BaseException:
+            self._close_sessions(request_ids)
+            self._rpc("genlm_discard_logprobs", capture_ids)
+            raise
+        for request_id, request, _, keep in plan:
+            if keep:
+                self._sessions[request] = request_id
+        return fit_to_vocab(logprobs, self.vocab_size).to(self.device)
+
+    def _run_until_done(self, request_ids: list[str]) -> None:
+        """Step the engine until each request finished, or finished its turn (an open session).
+
+        A prompt prefilled in several chunks has a row captured after every
+        chunk; only the turn's end says the last one is in.
+        """
+        scheduler = self._scheduler
+
+        def busy(request_id: str) -> bool:
+            return vllm_compat.is_busy(scheduler, request_id)
+
+        pending = [request_id for request_id in request_ids if busy(request_id)]
+        num_idle_steps = 0  # steps in a row that finished nothing and left nothing running
+        while pending:
+            if scheduler.get_num_unfinished_requests() == 0:  # idle sessions not counted
+                raise CaptureError(f"the engine has nothing left to run with {len(pending)} requests unfinished")
+            self.engine.step()
+            still_pending = [request_id for request_id in pending if busy(request_id)]
+            progressed = len(still_pending) < len(pending) or scheduler.running
+            pending = still_pending
+            num_idle_steps = 0 if progressed else num_idle_steps + 1
+            if pending and num_idle_steps >= 2:
+                # Nothing could be scheduled twice in a row: idle sessions hold the
+                # KV cache the waiting requests need. Close them (none is in this batch).
+                idle = self._least_recent_sessions(len(self._sessions))
+                if not idle:
+                    raise CaptureError(f"vLLM cannot schedule {len(pending)} requests of this batch")
+                self._close_sessions(idle)
+                num_idle_steps = 0
+
+    def _least_recent_sessions(self, count: int) -> list[str]:
+        oldest = list(itertools.islice(self._sessions, max(count, 0)))
+        return [self._sessions.pop(request) for request in oldest]
+
+    def _close_sessions(self, request_ids: list[str]) -> None:
+        """Finish these engine requests (open sessions or not) and free their keys/values."""
+        if request_ids:
+            self.engine.engine_core.abort_requests(request_ids)
+
+    # ------------------------------------------------------------------ adapters
+
+    def _lora_request(self, adapter: Adapter | None):
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.version, adapter.path)
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Register ``adapter`` with the engine (its int id is ``adapter.version``).
+
+        Raises:
+            ValueError: the engine was built without LoRA support.
+        """
+        if self.engine.vllm_config.lora_config is None:
+            raise ValueError(
+                "this vLLM engine was built without LoRA support; build it with "
+                "AsyncVirtualLM.from_name(..., engine_opts={'enable_lora': True, 'max_lora_rank': <rank>})"
+            )
+        self.engine.add_lora(self._lora_request(adapter))
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        """Close ``adapter``'s sessions and drop its weights (its prefix-cache blocks are keyed by its id)."""
+        doomed = [request for request in self._sessions if request.adapter == adapter]
+        self._close_sessions([self._sessions.pop(request) for request in doomed])
+        self.engine.remove_lora(adapter.version)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _take_logprobs(self, capture_ids: list[str]) -> torch.Tensor:
+        replies = [r for r in self._rpc("genlm_take_logprobs", capture_ids) if r is not None]
+        if not replies:
+            raise CaptureError("no worker returned the captured log-probabilities")
+        return replies[0]
+
+    def _rpc(self, method: str, *args):
+        return self.engine.collective_rpc(method, args=args)
+
+    def clear(self) -> None:
+        if self.engine is not None:
+            self._close_sessions(self._least_recent_sessions(len(self._sessions)))
+            self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory, so another engine can start here. Idempotent."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        try:
+            engine.collective_rpc("genlm_release_store")
+        finally:
+            engine.engine_core.shutdown()
+            del engine
+            gc.collect()
+            vllm_compat.cleanup_process_state()

@@ -1,0 +1,130 @@
+"""The runner contract, one suite over the HF, vLLM and mock runners.
+
+A runner turns distinct requests into ``[B, V]`` float32 normalized rows; each
+row must equal the runner's plain uncached forward of that request, whatever
+the runner cached from earlier batches, and whatever adapters the batch mixes.
+Tolerance: 1e-4 absolute (1e-3 for vLLM, whose kernels differ more, as in test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from genlm_backend.llm.runner import Adapter, Request
+from tests.conftest import build_tiny_gpt2
+
+RUNNERS = ["mock", "hf", "vllm"]
+
+
+def make_mock(tokenizer, tmp_path_factory):
+    from genlm_backend.llm.mock import MockRunner
+
+    return MockRunner(len(tokenizer), torch.device("cpu")), None, 1e-6
+
+
+def make_hf(tokenizer, tmp_path_factory):
+    from genlm_backend.cache.kv_tree import KVPrefixTree
+    from genlm_backend.llm.hf_runner import HFRunner
+
+    runner = HFRunner(build_tiny_gpt2(len(tokenizer)), KVPrefixTree(1 << 30), len(tokenizer))
+    return runner, None, 1e-4
+
+
+def make_vllm(tokenizer, tmp_path_factory):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (CPU: .ci/install_vllm.sh)")
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    path = tmp_path_factory.mktemp("contract_gpt2")
+    build_tiny_gpt2(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64, "gpu_memory_utilization": 0.3}
+    llm = AsyncVirtualLM.from_name(path, engine_opts=opts)
+    return llm.runner, llm, 1e-3
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def runner_case(request, gpt2_tokenizer, tmp_path_factory):
+    """(runner, tolerance) for each runner, built once per module."""
+    maker = {"mock": make_mock, "hf": make_hf, "vllm": make_vllm}[request.param]
+    runner, owner, tolerance = maker(gpt2_tokenizer, tmp_path_factory)
+    yield request.param, runner, tolerance
+    (owner or runner).close()
+
+
+def check_rows(runner, requests, rows, tolerance) -> None:
+    assert rows.dtype == torch.float32 and rows.shape == (len(requests), runner.vocab_size)
+    assert torch.logsumexp(rows, dim=-1).abs().max() < 1e-4
+    for request, row in zip(requests, rows):
+        torch.testing.assert_close(row, runner.run_uncached(request), atol=tolerance, rtol=0)
+
+
+def workload(rng: random.Random, vocab: int, num_rounds: int):
+    """Rounds of distinct contexts: one-token extensions (particles), siblings and fresh prompts."""
+    particles = [[rng.randrange(vocab) for _ in range(rng.randint(2, 9))] for _ in range(4)]
+    for _ in range(num_rounds):
+        batch = [p + [rng.randrange(vocab)] for p in particles]
+        batch.append(rng.choice(particles)[:-1] + [rng.randrange(vocab)])
+        batch.append([rng.randrange(vocab) for _ in range(rng.randint(1, 12))])
+        particles = batch[:4]
+        yield list({tuple(c): None for c in batch})
+
+
+def test_rows_equal_uncached_forwards_across_cached_rounds(runner_case):
+    _, runner, tolerance = runner_case
+    rng = random.Random(0)
+    tokens_before = runner.stats.num_tokens_computed
+    for contexts in workload(rng, runner.vocab_size, 4):
+        requests = [Request(None, tuple(c)) for c in contexts]
+        check_rows(runner, requests, runner.run(requests), tolerance)
+    assert runner.stats.num_tokens_computed > tokens_before
+
+
+def test_clear_keeps_results_exact(runner_case):
+    _, runner, tolerance = runner_case
+    requests = [Request(None, (5, 6, 7)), Request(None, (5, 6, 7, 8))]
+    runner.run(requests)
+    runner.clear()
+    assert runner.stats.kv_cache_bytes == 0
+    check_rows(runner, requests, runner.run(requests), tolerance)
+
+
+def adapter_for(name: str, runner, tmp_path) -> Adapter:
+    """An adapter this runner can load: any path for the mock, a peft LoRA (non-zero B) for HF."""
+    if name == "mock":
+        return Adapter("a", 1, "mock-weights")
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
+    torch.manual_seed(4)
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    model = peft.get_peft_model(build_tiny_gpt2(runner.vocab_size), config)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    return Adapter("a", 1, str(tmp_path / "adapter"))
+
+
+def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path):
+    name, runner, tolerance = runner_case
+    if name == "vllm":
+        with pytest.raises(ValueError, match="enable_lora"):
+            runner.load_adapter(Adapter("a", 1, str(tmp_path)))
+        pytest.skip("adapters need an engine with enable_lora; the CPU test engine has none")
+    adapter = adapter_for(name, runner, tmp_path)
+    runner.load_adapter(adapter)
+    try:
+        for contexts in workload(random.Random(1), runner.vocab_size, 3):
+            requests = [Request(a, tuple(c)) for c in contexts for a in (None, adapter)]
+            rows = runner.run(requests)
+            check_rows(runner, requests, rows, tolerance)
+            assert (rows[0] - rows[1]).abs().max() > 1e-3  # the adapter changes the output
+    finally:
+        runner.unload_adapter(adapter)
+    with pytest.raises(ValueError, match="removed or re-registered"):
+        runner.run([Request(adapter, (1, 2))])
