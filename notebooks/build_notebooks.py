@@ -1,9 +1,10 @@
 """Write the example notebooks' sources; then execute them to save their outputs.
 
-    python notebooks/build_notebooks.py
+    python notebooks/build_notebooks.py [NAME ...]       # all notebooks when no name is given
     python -m jupyter nbconvert --execute --inplace notebooks/*.ipynb   # or tests/test_notebooks.py
 """
 
+import sys
 from pathlib import Path
 
 import nbformat
@@ -121,12 +122,94 @@ TRIE = [
     new_code_cell("trie.visualize(mass, prefix=b' Par', max_nodes=25)"),
 ]
 
+GENLM_CONTROL = [
+    new_markdown_cell(
+        "# genlm-control: regex-constrained SMC on `genlm_backend`\n\n"
+        "[genlm-control](https://pypi.org/project/genlm-control/) samples from a language model "
+        "under constraints with sequential Monte Carlo. It imports `genlm.backend`; the alias in "
+        "`genlm_backend.alias` serves that name from `genlm_backend`, so genlm-control runs "
+        "unchanged. Installing both: see the docs page *genlm-control on genlm_backend*."
+    ),
+    new_code_cell(
+        "import genlm_backend.alias\n\n"
+        "genlm_backend.alias.install()  # before the first `import genlm.backend` (genlm-control's)\n\n"
+        "import re\n"
+        "import numpy as np\n"
+        "import torch\n"
+        "import genlm.backend, genlm_backend\n"
+        "from genlm.control import AWRS, BoolFSA, PromptedLLM\n\n"
+        "torch.set_num_threads(2)\n"
+        "genlm.backend is genlm_backend"
+    ),
+    new_markdown_cell(
+        "The potential: SmolLM2-135M-Instruct (the default model, from PyPI) loaded by "
+        "`genlm_backend`, prompted with a chat turn. Its end-of-sequence token is the chat's "
+        "`<|im_end|>`."
+    ),
+    new_code_cell(
+        "llm = genlm_backend.load_model_by_name(backend='hf')\n"
+        "potential = PromptedLLM(llm, eos_byte_strings=[b'<|im_end|>'])\n"
+        "request = 'Make up a work email address for Jane Doe, who works at Example Corp. Answer with the address only.'\n"
+        "potential.prompt_ids = llm.tokenizer.apply_chat_template(\n"
+        "    [{'role': 'user', 'content': request}], add_generation_prompt=True, tokenize=True, return_dict=False\n"
+        ")\n"
+        "len(potential.prompt_ids), len(potential.vocab)"
+    ),
+    new_markdown_cell(
+        "The constraint: a regular expression, compiled to a finite-state automaton over bytes, "
+        "then coerced to the model's tokens (a token sequence is accepted when its bytes are)."
+    ),
+    new_code_cell(
+        "EMAIL = r'[a-z]{2,12}\\.[a-z]{2,12}@[a-z]{3,12}\\.(com|org|net)'\n"
+        "email_fsa = BoolFSA.from_regex(EMAIL)\n"
+        "condition = email_fsa.coerce(potential, f=b''.join)\n"
+        "[await email_fsa.prefix(b'jane.doe@exa'), await email_fsa.prefix(b'Jane'), await email_fsa.complete(b'jane.doe@example.org')]"
+    ),
+    new_markdown_cell(
+        "SMC with eight particles and the AWRS token sampler (adaptive weighted rejection "
+        "sampling: it checks the constraint on a few tokens instead of the whole vocabulary). "
+        "Every particle's `next_token_logprobs` call goes to `genlm_backend`, which batches "
+        "them and reuses cached prefixes."
+    ),
+    new_code_cell(
+        "np.random.seed(0)  # resampling draws\n"
+        "torch.manual_seed(0)  # token draws\n"
+        "sampler = AWRS(potential, condition, seed=0)\n"
+        "sequences = await sampler.smc(n_particles=8, ess_threshold=0.5, max_tokens=24)\n"
+        "sequences.decoded_posterior"
+    ),
+    new_code_cell(
+        "matches = [bool(re.fullmatch(EMAIL, text)) for text in sequences.decoded_posterior]\n"
+        "print(f'{len(matches)} distinct completions, all match the regex: {all(matches) and len(matches) > 0}')\n"
+        "print(f'log marginal likelihood estimate: {sequences.log_ml:.3f}')"
+    ),
+    new_markdown_cell(
+        "Every completion is an address the regex accepts. The names can be odd: SmolLM2-135M "
+        "would rather start with a capital `J`, which the regex rules out, so the particles "
+        "spell the name from lower-probability tokens."
+    ),
+    new_markdown_cell(
+        "What the backend did: tokens computed vs. requested shows the prefix reuse across "
+        "particles and steps (the prompt is computed once)."
+    ),
+    new_code_cell("llm.stats"),
+    new_markdown_cell(
+        "The same workload on upstream genlm-backend 0.3.1 vs `genlm_backend`, timed: "
+        "`benchmarks/bench_genlm_control.py`, figures in BENCHMARKS.md."
+    ),
+]
 
-def main() -> None:
-    for name, cells in (("smc_walkthrough", SMC), ("token_character_trie", TRIE)):
+
+NOTEBOOKS = {"smc_walkthrough": SMC, "token_character_trie": TRIE, "genlm_control_regex": GENLM_CONTROL}
+
+
+def main(names: list[str]) -> None:
+    """Write the named notebooks (all of them when none is named), dropping their outputs."""
+    for name in names or NOTEBOOKS:
+        cells = NOTEBOOKS[name]
         notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
         nbformat.write(notebook, HERE / f"{name}.ipynb")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

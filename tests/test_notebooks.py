@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -43,3 +44,30 @@ def test_smc_walkthrough_runs_and_plots_weights():
 def test_trie_notebook_renders_graphviz():
     notebook = execute("token_character_trie.ipynb")
     assert outputs_of(notebook, "image/svg+xml"), "the Graphviz picture is missing"
+
+
+def genlm_control_installed() -> bool:
+    try:
+        return importlib.util.find_spec("genlm.control") is not None
+    except ModuleNotFoundError:  # no `genlm` namespace at all
+        return False
+
+
+def stream_text(notebook) -> str:
+    return "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not genlm_control_installed(),
+    reason="needs genlm-control 0.4.1 installed next to genlm_backend (recipe in docs/genlm_control.md)",
+)
+def test_genlm_control_regex_notebook_samples_matching_emails():
+    notebook = execute("genlm_control_regex.ipynb")
+    first = outputs_of(notebook, "text/plain")[0]["data"]["text/plain"]
+    assert first == "True", "genlm.backend is not served by genlm_backend"
+    assert "all match the regex: True" in stream_text(notebook)
+    stats = outputs_of(notebook, "text/plain")[-1]["data"]["text/plain"]
+    computed = int(stats.split("num_tokens_computed=")[1].split(",")[0])
+    requested = int(stats.split("num_tokens_requested=")[1].split(",")[0])
+    assert computed < requested / 5  # the prompt and shared prefixes are computed once

@@ -11,9 +11,12 @@ from genlm_backend.llm.base import AsyncLM, validate_token_ids
 from genlm_backend.llm.loader import default_backend, load_model_by_name
 from genlm_backend.llm.mock import MockAsyncLM
 from genlm_backend.llm.stats import LMStats
+from genlm_backend.llm.unsupported import AsyncMlxLM, AsyncSGLTransformer
 
 __all__ = [
     "AsyncLM",
+    "AsyncMlxLM",
+    "AsyncSGLTransformer",
     "AsyncTransformer",
     "AsyncVirtualLM",
     "LMStats",

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The client libraries' own test suites, run against genlm_backend through the
+# opt-in `genlm.backend` alias (`pytest -p genlm_backend.alias`):
+#   genlm-control 0.4.1, genlm-bytes 0.2.0, llamppl 0.2.3 and upstream
+#   genlm-backend 0.3.1's suite, each from its PyPI sdist.
+# Hub model names resolve offline to local assets (.ci/clients/hub_cache.py).
+# Tests that need a GPU, MLX, SGLang or vLLM, or assets that cannot exist
+# offline, are deselected with their reason (.ci/clients/not_runnable.txt); so are
+# the documented departures from upstream (.ci/clients/known_departures.txt).
+# Every other test must pass.
+#
+# CLIENTS_BACKEND=upstream runs the same suites on upstream genlm-backend 0.3.1
+# (no alias, no known departures): the baseline that the departures are measured against.
+#
+# Environment: CLIENTS_VENV (default /tmp/clients-venv), CLIENTS_WORK (default
+# /tmp/clients-work), CLIENTS_SUITES (default "control bytes llamppl upstream"),
+# CLIENTS_BACKEND (ours | upstream), CLIENTS_PYTEST_WORKERS (pytest-xdist workers,
+# default 2), CLIENTS_TEST_TIMEOUT_S (per test, default 300).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+start=$(date +%s)
+backend="${CLIENTS_BACKEND:-ours}"
+venv="${CLIENTS_VENV:-/tmp/clients-venv}"
+work="${CLIENTS_WORK:-/tmp/clients-work}"
+suites="${CLIENTS_SUITES-control bytes llamppl upstream}"
+python="$venv/bin/python"
+export CLIENTS_PYTEST_WORKERS="${CLIENTS_PYTEST_WORKERS-2}"
+export CLIENTS_TEST_TIMEOUT_S="${CLIENTS_TEST_TIMEOUT_S:-300}"
+mkdir -p "$work"
+
+# 1. A venv of its own; torch first (CPU build), then pinned by constraints.
+if [ ! -x "$python" ]; then
+    "$(command -v python3.11 || command -v python3)" -m venv "$venv"
+fi
+"$python" -m pip install -q --upgrade pip
+"$python" -m pip install -q torch==2.13.0
+constraints="$work/constraints.txt"
+"$python" -W ignore -c "import torch; print(f'torch=={torch.__version__}')" > "$constraints"
+
+# 2. The backend under test.
+if [ "$backend" = "ours" ]; then
+    "$python" -m pip install -q -c "$constraints" -e "$repo[test]"
+else
+    "$python" -m pip install -q -c "$constraints" "genlm-backend==0.3.1" "peft>=0.17" \
+        pytest pytest-asyncio pytest-timeout hypothesis psutil
+fi
+
+# 3. The client libraries from their sdists, without their dependencies (those
+#    pull upstream genlm-backend and torch); their other dependencies normally.
+sdists="$work/sdists"
+mkdir -p "$sdists"
+for spec in genlm-control==0.4.1 genlm-bytes==0.2.0 llamppl==0.2.3 genlm-backend==0.3.1; do
+    # Only the named project as an sdist: its build backend may come as a wheel.
+    [ -f "$sdists/$(echo "${spec%==*}" | tr - _)-${spec#*==}.tar.gz" ] ||
+        "$python" -m pip download -q --no-deps --no-binary "${spec%==*}" -d "$sdists" "$spec"
+done
+"$python" -m pip install -q --no-deps "$sdists"/genlm_control-0.4.1.tar.gz \
+    "$sdists"/genlm_bytes-0.2.0.tar.gz "$sdists"/llamppl-0.2.3.tar.gz
+"$python" -m pip install -q -c "$constraints" -r "$repo/.ci/clients/requirements.txt"
+
+# 4. Hub names -> local assets, offline from here on.
+export HF_HUB_CACHE="$work/hub"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+"$python" "$repo/.ci/clients/hub_cache.py" "$HF_HUB_CACHE"
+
+# 5. The suites, each from its unpacked sdist with the package sources removed
+#    (the installed packages are the ones under test).
+status=0
+for suite in $suites; do
+    "$python" "$repo/.ci/clients/run_suite.py" --backend "$backend" --sdists "$sdists" \
+        --work "$work" "$suite" || status=1
+done
+"$python" "$repo/.ci/clients/run_suite.py" --summary --work "$work" --backend "$backend"
+echo "client suites ($backend) finished in $(( $(date +%s) - start )) s"
+exit $status

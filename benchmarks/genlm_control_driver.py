@@ -1,0 +1,147 @@
+"""One process of the genlm-control regex-SMC benchmark, on whichever backend imports.
+
+genlm-control imports ``genlm.backend``. When genlm_backend (with its
+``genlm_backend.alias`` module) is importable, the alias is installed first and
+genlm-control runs on genlm_backend; otherwise ``genlm.backend`` is upstream
+genlm-backend 0.3.1. ``bench_genlm_control.py`` runs this script in two
+virtualenvs and compares them; it prints one JSON line on stdout.
+
+Modes:
+
+* ``time``: one warm-up SMC run (seed ``--warmup-seed``, not timed), then one
+  timed run per ``--seeds`` value. Each run starts with the model's caches
+  cleared, so every timed run does the same work as the first.
+* ``score``: next-token log-probabilities of the contexts in ``--contexts``
+  (a JSON list of token-id lists), saved as a float64 ``.npy`` to ``--scores-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+try:  # genlm_backend serves `import genlm.backend` when it is installed
+    from genlm_backend.alias import install as install_alias
+
+    install_alias()
+    BACKEND_NAME = "genlm_backend"
+except ImportError:
+    BACKEND_NAME = "genlm-backend 0.3.1"
+
+import numpy as np
+import torch
+from genlm.backend.llm import AsyncTransformer
+from genlm.control import AWRS, BoolFSA, PromptedLLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REQUEST = "Make up a work email address for Jane Doe, who works at Example Corp. Answer with the address only."
+EMAIL_REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
+
+
+def build_potentials(model_dir: str) -> tuple[AsyncTransformer, PromptedLLM, object]:
+    """The language model, the prompted potential and the regex condition over its tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = AsyncTransformer(model, tokenizer)
+    potential = PromptedLLM(llm)
+    potential.prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": REQUEST}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    condition = BoolFSA.from_regex(EMAIL_REGEX).coerce(potential, f=b"".join)
+    return llm, potential, condition
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+async def run_smc(
+    llm, potential, condition, seed: int, particles: int, max_tokens: int, cache_prompt: bool
+) -> dict:
+    """One SMC run from cold model caches (the prompt's keys/values cached first if
+    ``cache_prompt``, inside the timed span); returns its time and what it sampled."""
+    llm.clear_cache()
+    seed_everything(seed)
+    sampler = AWRS(potential, condition, seed=seed)
+    start = time.perf_counter()
+    if cache_prompt:
+        llm.cache_kv(list(potential.prompt_ids))
+    sequences = await sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens)
+    seconds = time.perf_counter() - start
+    tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
+    return {
+        "seed": seed,
+        "seconds": seconds,
+        "token_ids": [[t.token_id for t in ctx] for ctx in tokens],
+        "texts": [
+            b"".join(t.byte_string for t in ctx).decode("utf-8", "replace") for ctx in tokens
+        ],
+        "log_weights": [float(w) for w in sequences.log_weights],
+        "log_ml": float(sequences.log_ml),
+    }
+
+
+async def time_runs(args) -> dict:
+    llm, potential, condition = build_potentials(args.model_dir)
+    await run_smc(
+        llm,
+        potential,
+        condition,
+        args.warmup_seed,
+        args.warmup_particles,
+        args.max_tokens,
+        args.cache_prompt,
+    )
+    runs = [
+        await run_smc(
+            llm, potential, condition, seed, args.particles, args.max_tokens, args.cache_prompt
+        )
+        for seed in args.seeds
+    ]
+    return {"backend": BACKEND_NAME, "prompt_ids": list(potential.prompt_ids), "runs": runs}
+
+
+async def score_contexts(args) -> dict:
+    llm, _, _ = build_potentials(args.model_dir)
+    contexts = json.loads(Path(args.contexts).read_text())
+    rows = await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
+    scores = torch.stack([row.detach().to(torch.float64).cpu() for row in rows]).numpy()
+    np.save(args.scores_out, scores)
+    return {"backend": BACKEND_NAME, "num_contexts": len(contexts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["time", "score"])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--particles", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--warmup-seed", type=int, default=1000)
+    parser.add_argument("--warmup-particles", type=int, default=2)
+    parser.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cache_kv(prompt) at the start of each run (upstream's advice)",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
+    parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work = time_runs if args.mode == "time" else score_contexts
+    print(json.dumps(asyncio.run(work(args))))
+
+
+if __name__ == "__main__":
+    main()
