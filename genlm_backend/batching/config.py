@@ -43,7 +43,7 @@ class BatchingConfig:
         TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that
             is not a number, a ``flush_on_idle`` that is not a bool.
         ValueError: a limit < 1, a ``timeout_s`` < 0 or not finite.
-        Either message names the field and the value given.
+            Either message names the field and the value given.
     """
 
     max_batch_size: int | None = None
