@@ -34,9 +34,9 @@ class Token(bytes):
     Tokens are immutable (``token_id`` cannot be reassigned, since the hash
     depends on it); they pickle and copy with their id.
 
-    Args:
-        token_id: The token's id (position in the vocabulary).
-        byte_string: The token's bytes (a ``bytes``, or a ``Token``).
+    Constructor arguments (of ``__new__``): ``token_id``, the token's id (its
+    position in the vocabulary), and ``byte_string``, the token's bytes (a
+    ``bytes``, or a ``Token``).
 
     Raises:
         TypeError: ``token_id`` is not an ``int`` (``bool`` included), or
