@@ -29,6 +29,7 @@ from genlm_backend.batching import (
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.adapters import AdapterMethods, AdapterRegistry
+from genlm_backend.llm.lifecycle import LifecycleMethods
 from genlm_backend.llm.runner import Request, Runner
 from genlm_backend.llm.sampling import SamplingMethods, sample_token
 from genlm_backend.llm.stats import LMStats
@@ -44,7 +45,7 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
-class AsyncLM(SamplingMethods, AdapterMethods):
+class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
 
     Output contract, for every runner and model:
@@ -286,72 +287,6 @@ class AsyncLM(SamplingMethods, AdapterMethods):
         """
         self.next_token_logprobs_sync(prompt_tokens, lora_name)
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def clear_cache(self) -> None:
-        """Drop every cached result and reusable prefix; later results are recomputed."""
-        with self._compute_lock:
-            self.output_cache.clear()
-            self.runner.clear()
-
-    def clear_kv_cache(self) -> None:
-        """Drop every retained key/value (results in the output cache stay)."""
-        with self._compute_lock:
-            self.runner.clear()
-
-    def reset_async_queries(self) -> asyncio.Task | None:
-        """Fail every pending request of the running event loop; later requests get a fresh batcher.
-
-        A plain method: call it with or without ``await``. Inside a running
-        loop it returns a task that finishes once those requests have failed
-        (await it to wait for that); outside a loop nothing is pending and it
-        returns ``None``.
-        """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return None
-        return loop.create_task(self._batchers.reset_current())
-
-    async def aclose(self) -> None:
-        """Fail pending requests with :class:`BackendClosedError` and release the model.
-
-        Pending callers fail at once; the model is released once a batch
-        still computing has finished, without blocking the event loop
-        meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
-        """
-        self._is_closed = True
-        await self._batchers.reset_current()
-        # A batch may still be computing in the worker thread (its callers have
-        # already failed): wait for it off the event loop, then release the model.
-        await asyncio.to_thread(_wait_until_unlocked, self._compute_lock)
-        self.close()
-
-    def close(self) -> None:
-        """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""
-        self._is_closed = True
-        self._batchers.shutdown()
-        with self._compute_lock:
-            self.output_cache.clear()
-            if self.runner is not None:
-                self.runner.close()
-
-    def cleanup(self) -> None:
-        """Same as :meth:`close`."""
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.aclose()
-
 
 def _context_tokens(request: Request) -> int:
     """A request's cost against the batch token budget: its context length."""
@@ -362,8 +297,3 @@ def _replaced_adapter_error(request: Request) -> ValueError:
     return ValueError(
         f"LoRA adapter {request.adapter.name!r} was removed or re-registered while this request waited"
     )
-
-
-def _wait_until_unlocked(lock: threading.Lock) -> None:
-    with lock:  # acquired and released in this thread, even if the awaiting task is cancelled
-        pass
