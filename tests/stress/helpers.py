@@ -33,20 +33,22 @@ MIB = 1 << 20
 
 
 @torch.inference_mode()
-def reference_logprobs(model, contexts: Sequence[tuple[int, ...]], vocab_size: int) -> list[torch.Tensor]:
+def reference_logprobs(
+    model, contexts: Sequence[tuple[int, ...]], vocab_size: int, rows_per_forward: int = 64
+) -> list[torch.Tensor]:
     """Plain uncached forwards: ``log_softmax(model(ids).logits[:, -1])[:vocab_size]`` per context.
 
-    Contexts of equal length run together (no padding, so each row is exactly
-    the single-context forward); returns ``float32 [vocab_size]`` rows in the
-    order of ``contexts``.
+    Contexts of equal length run together, at most ``rows_per_forward`` at a
+    time (no padding, so each row is exactly the single-context forward);
+    returns ``float32 [vocab_size]`` rows in the order of ``contexts``.
     """
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, context in enumerate(contexts):
         by_length[len(context)].append(i)
     rows: list[torch.Tensor | None] = [None] * len(contexts)
     for positions in by_length.values():
-        for start in range(0, len(positions), 64):
-            chunk = positions[start : start + 64]
+        for start in range(0, len(positions), rows_per_forward):
+            chunk = positions[start : start + rows_per_forward]
             ids = torch.tensor([list(contexts[i]) for i in chunk])
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
             logprobs = torch.log_softmax(logits.float(), dim=-1)[:, :vocab_size]
@@ -62,6 +64,7 @@ class ReferenceChecker:
     (on the calling thread); ``flush`` checks the rest. ``num_checked`` counts
     results compared and ``max_error`` is the largest absolute difference seen;
     a difference over ``atol`` raises ``AssertionError`` naming the context.
+    At most ``chunk`` results and ``chunk`` reference rows are alive at once.
     """
 
     def __init__(self, model, vocab_size: int, chunk: int = 128, atol: float = ATOL):
@@ -82,7 +85,9 @@ class ReferenceChecker:
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return
-        expected = reference_logprobs(self.model, [c for c, _ in waiting], self.vocab_size)
+        expected = reference_logprobs(
+            self.model, [c for c, _ in waiting], self.vocab_size, rows_per_forward=self.chunk
+        )
         for (context, result), want in zip(waiting, expected):
             assert result.dtype == torch.float32 and result.shape == (self.vocab_size,), context
             error = (result - want).abs().max().item()

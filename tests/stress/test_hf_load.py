@@ -29,9 +29,13 @@ NUM_STEPS = 10  # per half: 2 x 5 steps x 200 particles = 2,000 calls
 BATCH_SIZE = 32
 KV_BUDGET_BYTES = 4 * MIB
 OUTPUT_BUDGET_BYTES = 8 * MIB
+CHECK_CHUNK = 32
+"""Results the checker holds before comparing them (with as many reference rows)."""
 WORKING_ALLOWANCE_BYTES = 160 * MIB
-"""RSS besides the caches: a batch's [32, V] rows and activations, the checker's held
-rows (128 x 192 KiB), its reference forwards (64 rows at a time) and the allocator's slack."""
+"""RSS besides the caches: the batch's [32, V] logits and log-probabilities (6 MiB each),
+the particles' results waiting for the checker (CHECK_CHUNK x 192 KiB), its reference
+forward's rows (the same again, plus logits), and the allocator's slack: glibc keeps freed
+pages in per-thread arenas, and the forward runs on a worker thread."""
 SMALL_TENSORS_BYTES = 1 * MIB
 """Live tensor bytes besides the caches allowed after a half (the last context's ids and the like)."""
 
@@ -78,7 +82,7 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(lla
         model, tokenizer, batch_size=BATCH_SIZE,
         kv_cache_bytes=KV_BUDGET_BYTES, output_cache_bytes=OUTPUT_BUDGET_BYTES,
     )
-    checker = ReferenceChecker(reference_model, llm.vocab_size)
+    checker = ReferenceChecker(reference_model, llm.vocab_size, chunk=CHECK_CHUNK)
     checker.add([1, 2, 3], await llm.next_token_logprobs([1, 2, 3]))  # warm-up
     checker.flush()
     llm.clear_cache()
