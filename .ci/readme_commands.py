@@ -38,7 +38,9 @@ def quick_start_commands(markdown: str) -> list[str]:
         section.append(line)
     commands = [_one_command(block) for block in _bash_blocks(section)]
     if len(commands) != NUM_COMMANDS:
-        raise ReadmeError(f"expected {NUM_COMMANDS} bash blocks under {SECTION!r}, found {len(commands)}")
+        raise ReadmeError(
+            f"expected {NUM_COMMANDS} bash blocks under {SECTION!r}, found {len(commands)}"
+        )
     return commands
 
 
@@ -62,7 +64,9 @@ def _bash_blocks(lines: list[str]) -> list[list[str]]:
 def _one_command(block: list[str]) -> str:
     lines = [line.strip() for line in block if line.strip()]
     if len(lines) != 1:
-        raise ReadmeError(f"a Quick-start block must be one command line, got {len(lines)}: {lines}")
+        raise ReadmeError(
+            f"a Quick-start block must be one command line, got {len(lines)}: {lines}"
+        )
     return lines[0]
 
 

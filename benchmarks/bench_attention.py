@@ -20,7 +20,12 @@ from contextlib import nullcontext
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from genlm_backend.llm.hf_compat import adopt as _adopt, grouped_kv_attention as _grouped_kv_attention
+from genlm_backend.llm.hf_compat import (
+    adopt as _adopt,
+)
+from genlm_backend.llm.hf_compat import (
+    grouped_kv_attention as _grouped_kv_attention,
+)
 from genlm_backend.models import default_model_dir
 
 
@@ -35,9 +40,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     config = model.config
-    print(f"SmolLM2-135M fp32, {args.threads} threads, {config.num_attention_heads} query heads, "
-          f"{config.num_key_value_heads} key/value heads, {args.rows} rows, one new token each")
-    print("| past tokens | transformers sdpa (ms) | grouped heads (ms) | speed-up | max abs logit diff |")
+    print(
+        f"SmolLM2-135M fp32, {args.threads} threads, {config.num_attention_heads} query heads, "
+        f"{config.num_key_value_heads} key/value heads, {args.rows} rows, one new token each"
+    )
+    print(
+        "| past tokens | transformers sdpa (ms) | grouped heads (ms) | speed-up | max abs logit diff |"
+    )
     print("|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
     for past in args.past:
@@ -48,7 +57,9 @@ def main() -> None:
             slots = past + 1 + args.spare
             cache = StaticCache(config=config, max_cache_len=slots)
             for layer, prefilled in zip(cache.layers, prefill.layers):
-                keys = prefilled.keys.new_zeros(*prefilled.keys.shape[:2], slots, prefilled.keys.shape[3])
+                keys = prefilled.keys.new_zeros(
+                    *prefilled.keys.shape[:2], slots, prefilled.keys.shape[3]
+                )
                 values = torch.zeros_like(keys)
                 keys[:, :, :past], values[:, :, :past] = prefilled.keys, prefilled.values
                 _adopt(layer, keys, values, past)
@@ -61,8 +72,13 @@ def main() -> None:
                 for layer in cache.layers:
                     layer.cumulative_length.fill_(past)
                 with _grouped_kv_attention(model) if grouped else nullcontext():
-                    return model(token, attention_mask=mask, position_ids=positions,
-                                 past_key_values=cache, use_cache=True).logits[:, -1]
+                    return model(
+                        token,
+                        attention_mask=mask,
+                        position_ids=positions,
+                        past_key_values=cache,
+                        use_cache=True,
+                    ).logits[:, -1]
 
             step(False), step(True)  # warm-up
             times = {False: [], True: []}
@@ -73,7 +89,10 @@ def main() -> None:
                     times[grouped].append(time.perf_counter() - start)
             diff = (step(False) - step(True)).abs().max().item()
         plain, grouped = (1000 * statistics.median(times[g]) for g in (False, True))
-        print(f"| {past} | {plain:.0f} | {grouped:.0f} | {plain / grouped:.2f}x | {diff:.1e} |", flush=True)
+        print(
+            f"| {past} | {plain:.0f} | {grouped:.0f} | {plain / grouped:.2f}x | {diff:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

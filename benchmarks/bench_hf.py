@@ -46,7 +46,9 @@ def prompt_ids(tokenizer) -> list[int]:
     return ids[:25]
 
 
-def run_variant(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None) -> dict:
+def run_variant(
+    variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None
+) -> dict:
     """Run one variant in this process; returns seconds and peak RSS."""
     import torch
 
@@ -88,7 +90,9 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
         model(torch.tensor([prompt]))  # warm-up
         start = time.perf_counter()
         cache = DynamicCache(config=model.config)
-        logits = model(torch.tensor([prompt] * particles), past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(
+            torch.tensor([prompt] * particles), past_key_values=cache, use_cache=True
+        ).logits[:, -1]
         for _ in range(steps):
             # the batched form of genlm_backend.llm.base.sample_token (inverse CDF)
             cdf = torch.softmax(torch.log_softmax(logits.float(), -1).double(), -1).cumsum_(-1)
@@ -129,8 +133,14 @@ def _run_ours(particles: int, steps: int, model_dir: str, batch_size: int | None
     return seconds, stats
 
 
-def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: int | None = None,
-          baseline_tree: Path | None = None) -> dict:
+def spawn(
+    variant: str,
+    particles: int,
+    steps: int,
+    model_dir: str,
+    batch_size: int | None = None,
+    baseline_tree: Path | None = None,
+) -> dict:
     tree = HERE.parent
     if variant == "baseline":
         if baseline_tree is None:
@@ -141,28 +151,53 @@ def spawn(variant: str, particles: int, steps: int, model_dir: str, batch_size: 
             command += ["--batch-size", str(batch_size)]
     elif variant.startswith("upstream"):
         if not UPSTREAM_PYTHON.exists():
-            return {"variant": variant, "error": f"no upstream venv at {UPSTREAM_PYTHON}; run benchmarks/upstream_env.sh"}
-        command = [str(UPSTREAM_PYTHON), str(HERE / "upstream_hf_driver.py"), "--cache-kv" if "cache_kv" in variant else "--no-cache-kv"]
+            return {
+                "variant": variant,
+                "error": f"no upstream venv at {UPSTREAM_PYTHON}; run benchmarks/upstream_env.sh",
+            }
+        command = [
+            str(UPSTREAM_PYTHON),
+            str(HERE / "upstream_hf_driver.py"),
+            "--cache-kv" if "cache_kv" in variant else "--no-cache-kv",
+        ]
     else:
         command = [sys.executable, __file__, "--child", variant]
         if batch_size:
             command += ["--batch-size", str(batch_size)]
     command += ["--particles", str(particles), "--steps", str(steps), "--model-dir", model_dir]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tree,
+        env=os.environ | {"PYTHONPATH": str(tree)},
+    )
     if result.returncode != 0:
         return {"variant": variant, "error": result.stderr[-1500:]}
     return json.loads(result.stdout.strip().splitlines()[-1]) | {"variant": variant}
 
 
-def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: str, batch_size=None,
-                 baseline_tree=None) -> list[dict]:
+def _interleaved(
+    repeats: int,
+    variants,
+    particles: int,
+    steps: int,
+    model_dir: str,
+    batch_size=None,
+    baseline_tree=None,
+) -> list[dict]:
     """Run every variant ``repeats`` times, interleaved (each run a fresh process); keep each variant's median run."""
     runs = {v: [] for v in variants}
     for _ in range(repeats):
         for v in variants:
             runs[v].append(spawn(v, particles, steps, model_dir, batch_size, baseline_tree))
             # Each run as it ends, on stderr: a long benchmark cut short still leaves its raw numbers.
-            print(f"{particles}x{steps} {v}: {runs[v][-1].get('seconds', 'error')}", file=sys.stderr, flush=True)
+            print(
+                f"{particles}x{steps} {v}: {runs[v][-1].get('seconds', 'error')}",
+                file=sys.stderr,
+                flush=True,
+            )
     results = []
     for variant_runs in runs.values():
         good = sorted((r for r in variant_runs if "seconds" in r), key=lambda r: r["seconds"])
@@ -177,19 +212,39 @@ def _interleaved(repeats: int, variants, particles: int, steps: int, model_dir: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "baseline"))
-    parser.add_argument("--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs")
+    parser.add_argument(
+        "--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS"
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "baseline")
+    )
+    parser.add_argument(
+        "--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs"
+    )
     parser.add_argument("--child", choices=("floor", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, default=None, help="AsyncTransformer batch_size for 'ours' (default: none, the library's count-free policy)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; the median is reported")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="AsyncTransformer batch_size for 'ours' (default: none, the library's count-free policy)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per variant, interleaved; the median is reported",
+    )
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_variant(args.child, args.particles, args.steps, args.model_dir, args.batch_size)))
+        print(
+            json.dumps(
+                run_variant(args.child, args.particles, args.steps, args.model_dir, args.batch_size)
+            )
+        )
         return
 
     from genlm_backend.models import default_model_dir
@@ -197,25 +252,51 @@ def main(argv=None) -> None:
     model_dir = str(default_model_dir())
     results = []
     print(f"# bench_hf: SmolLM2-135M fp32, 2 threads, {platform.processor() or platform.machine()}")
-    print(f"median of {args.repeats} runs per variant, each in a fresh process; "
-          f"ours with {f'batch_size={args.batch_size}' if args.batch_size else 'default settings (no batch_size)'}")
-    print("| particles x steps | variant | seconds (median) | vs floor | all runs (s) | peak RSS (MB) | mean batch | tokens computed / requested |")
+    print(
+        f"median of {args.repeats} runs per variant, each in a fresh process; "
+        f"ours with {f'batch_size={args.batch_size}' if args.batch_size else 'default settings (no batch_size)'}"
+    )
+    print(
+        "| particles x steps | variant | seconds (median) | vs floor | all runs (s) | peak RSS (MB) | mean batch | tokens computed / requested |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
         particles, steps = map(int, workload.split("x"))
-        rows = [r | {"workload": workload} for r in _interleaved(args.repeats, args.variants, particles, steps, model_dir, args.batch_size, args.baseline_tree)]
-        floor = next((r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None)
+        rows = [
+            r | {"workload": workload}
+            for r in _interleaved(
+                args.repeats,
+                args.variants,
+                particles,
+                steps,
+                model_dir,
+                args.batch_size,
+                args.baseline_tree,
+            )
+        ]
+        floor = next(
+            (r["seconds"] for r in rows if r["variant"] == "floor" and "seconds" in r), None
+        )
         for r in rows:
             results.append(r)
             if "error" in r:
-                print(f"| {workload} | {r['variant']} | error: {r['error'].strip().splitlines()[-1][:80]} | | | | | |")
+                print(
+                    f"| {workload} | {r['variant']} | error: {r['error'].strip().splitlines()[-1][:80]} | | | | | |"
+                )
                 continue
             ratio = f"{r['seconds'] / floor:.2f}x" if floor else "-"
             stats = r.get("stats")
             batch = f"{stats['mean_batch_size']:.1f}" if stats else "-"
-            tokens = f"{stats['num_tokens_computed']} / {stats['num_tokens_requested']}" if stats else "-"
+            tokens = (
+                f"{stats['num_tokens_computed']} / {stats['num_tokens_requested']}"
+                if stats
+                else "-"
+            )
             runs = ", ".join(f"{x:.2f}" for x in r.get("all_seconds", [r["seconds"]]))
-            print(f"| {workload} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {runs} | {r['peak_rss_mb']:.0f} | {batch} | {tokens} |", flush=True)
+            print(
+                f"| {workload} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {runs} | {r['peak_rss_mb']:.0f} | {batch} | {tokens} |",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

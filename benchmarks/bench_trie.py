@@ -141,16 +141,30 @@ def upstream_driver(path: str, repeats: int, num_threads: int) -> None:
 
 def bench_upstream(vocab: list[bytes], repeats: int, num_threads: int) -> dict | None:
     if not Path(UPSTREAM_PYTHON).exists():
-        print(f"# upstream skipped: {UPSTREAM_PYTHON} missing; run bash benchmarks/upstream_env.sh",
-              file=sys.stderr)
+        print(
+            f"# upstream skipped: {UPSTREAM_PYTHON} missing; run bash benchmarks/upstream_env.sh",
+            file=sys.stderr,
+        )
         return None
     with tempfile.NamedTemporaryFile(suffix=".pkl") as file:
         file.write(pickle.dumps(vocab))
         file.flush()
         completed = subprocess.run(
-            [UPSTREAM_PYTHON, "-W", "ignore", __file__, "--upstream-driver", file.name,
-             "--repeats", str(repeats), "--threads", str(num_threads)],
-            capture_output=True, text=True, check=True,
+            [
+                UPSTREAM_PYTHON,
+                "-W",
+                "ignore",
+                __file__,
+                "--upstream-driver",
+                file.name,
+                "--repeats",
+                str(repeats),
+                "--threads",
+                str(num_threads),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -173,11 +187,23 @@ def format_table(results: dict, num_threads: int) -> str:
     ]
     for name, (ours, upstream) in results.items():
         vocab_label = f"{name} (V={ours['num_tokens']:,}, {ours['num_nodes']:,} nodes)"
-        lines.append(_row(vocab_label, "build (s)", upstream and upstream["build_s"],
-                          ours["build_s"], "{:.2f}"))
-        for op in ("batch_weight_sum", "batch_weight_max", "batch_weight_logsumexp",
-                   "batch_weight_sum + C order", "sequential float64 batch_weight_sum",
-                   "sequential float64 batch_weight_max"):
+        lines.append(
+            _row(
+                vocab_label,
+                "build (s)",
+                upstream and upstream["build_s"],
+                ours["build_s"],
+                "{:.2f}",
+            )
+        )
+        for op in (
+            "batch_weight_sum",
+            "batch_weight_max",
+            "batch_weight_logsumexp",
+            "batch_weight_sum + C order",
+            "sequential float64 batch_weight_sum",
+            "sequential float64 batch_weight_max",
+        ):
             base = upstream.get(op) if upstream else None
             lines.append(_row(vocab_label, op, base, ours[op], None))
     return "\n".join(lines)
@@ -204,8 +230,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", nargs="+", default=["smollm2", "qwen3"])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=DEFAULT_NUM_THREADS,
-                        help="torch intra-op threads, for both tries (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_NUM_THREADS,
+        help="torch intra-op threads, for both tries (default 2)",
+    )
     parser.add_argument("--upstream-driver", metavar="VOCAB_PICKLE", help=argparse.SUPPRESS)
     parser.add_argument("--no-upstream", action="store_true", help="time ours only")
     args = parser.parse_args()
@@ -221,8 +251,11 @@ def main() -> None:
         upstream = None if args.no_upstream else bench_upstream(vocab, args.repeats, args.threads)
         ours = bench_ours(vocab, args.repeats) | {"num_tokens": len(vocab)}
         ours_error = relative_errors(ours["check_float64"], ours["check"])
-        print(f"# {name}: float32 sums, largest relative error vs float64 at "
-              f"{len(ours['check'])} sampled prefixes: ours {ours_error:.1e}", file=sys.stderr)
+        print(
+            f"# {name}: float32 sums, largest relative error vs float64 at "
+            f"{len(ours['check'])} sampled prefixes: ours {ours_error:.1e}",
+            file=sys.stderr,
+        )
         if upstream is not None:
             upstream_error = relative_errors(ours["check_float64"], upstream["check"])
             print(f"# {name}: ... upstream {upstream_error:.1e}", file=sys.stderr)
@@ -230,8 +263,10 @@ def main() -> None:
             raise RuntimeError(f"float32 sums are off on {name} ({ours_error:.1e})")
         results[name] = (ours, upstream)
     print(format_table(results, args.threads))
-    print(f"\nCommand: python benchmarks/bench_trie.py --vocab {' '.join(args.vocab)} "
-          f"--repeats {args.repeats} --threads {args.threads}; torch {torch.__version__}")
+    print(
+        f"\nCommand: python benchmarks/bench_trie.py --vocab {' '.join(args.vocab)} "
+        f"--repeats {args.repeats} --threads {args.threads}; torch {torch.__version__}"
+    )
 
 
 if __name__ == "__main__":

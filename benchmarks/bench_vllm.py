@@ -57,8 +57,9 @@ def public_step(engine, contexts, vocab: int, step: int) -> torch.Tensor:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=-1,
-                            flat_logprobs=True)
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, logprobs=-1, flat_logprobs=True
+    )
     request_ids = [f"public-{step}-{i}" for i in range(len(contexts))]
     for request_id, context in zip(request_ids, contexts):
         engine.add_request(request_id, tokens_input(list(context)), params)
@@ -71,7 +72,9 @@ def public_step(engine, contexts, vocab: int, step: int) -> torch.Tensor:
                 flat = output.outputs[0].logprobs  # FlatLogprobs, one position
                 token_ids = torch.tensor(flat.token_ids)
                 keep = token_ids < vocab
-                rows[position[output.request_id], token_ids[keep]] = torch.tensor(flat.logprobs)[keep]
+                rows[position[output.request_id], token_ids[keep]] = torch.tensor(flat.logprobs)[
+                    keep
+                ]
                 pending.discard(output.request_id)
     return rows
 
@@ -105,15 +108,21 @@ def main() -> None:
         llm.max_sessions = max_sessions
         seconds[name], rows[name] = timed_steps(
             lambda contexts, _: loop.run_until_complete(capture_step(llm, contexts)),
-            trajectories(0, vocab, *shape), args.warmup)
+            trajectories(0, vocab, *shape),
+            args.warmup,
+        )
     llm.clear_cache()
     seconds["public"], rows["public"] = timed_steps(
         lambda contexts, i: public_step(llm.llm_engine, contexts, vocab, i),
-        trajectories(0, vocab, *shape), args.warmup)
+        trajectories(0, vocab, *shape),
+        args.warmup,
+    )
     # Same seed, same contexts: first and last steps' rows must agree across methods.
-    max_diff = max((a - b).abs().max().item()
-                   for name in ("capture", "capture, no sessions")
-                   for a, b in zip(rows[name], rows["public"]))
+    max_diff = max(
+        (a - b).abs().max().item()
+        for name in ("capture", "capture, no sessions")
+        for a, b in zip(rows[name], rows["public"])
+    )
     loop.run_until_complete(llm.aclose())
     loop.close()
     print_table(args, vocab, seconds, max_diff)
@@ -124,19 +133,27 @@ def print_table(args, vocab: int, seconds: dict[str, float], max_diff: float) ->
 
     requests = args.particles * args.steps
     print(f"\nCommand: python {' '.join(sys.argv)}")
-    print(f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-          f"torch threads, vLLM {vllm.__version__}, vocabulary {vocab}")
-    print(f"Workload: {args.particles} concurrent requests per step, {args.steps} timed steps "
-          f"(+{args.warmup} warm-up), prompt {args.prompt_len} tokens + 1 per step")
+    print(
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"torch threads, vLLM {vllm.__version__}, vocabulary {vocab}"
+    )
+    print(
+        f"Workload: {args.particles} concurrent requests per step, {args.steps} timed steps "
+        f"(+{args.warmup} warm-up), prompt {args.prompt_len} tokens + 1 per step"
+    )
     print(f"Rows of the first and last steps agree within {max_diff:.2e} (max abs difference)\n")
     print("| method | total s | ms / step | requests / s | speed-up |")
     print("|---|---|---|---|---|")
-    names = {"capture": "AsyncVirtualLM (capture, particle sessions)",
-             "capture, no sessions": "AsyncVirtualLM (capture, max_sessions=0)",
-             "public": "vLLM logprobs=-1, flat_logprobs"}
+    names = {
+        "capture": "AsyncVirtualLM (capture, particle sessions)",
+        "capture, no sessions": "AsyncVirtualLM (capture, max_sessions=0)",
+        "public": "vLLM logprobs=-1, flat_logprobs",
+    }
     for key, name in names.items():
-        print(f"| {name} | {seconds[key]:.2f} | {1000 * seconds[key] / args.steps:.1f} | "
-              f"{requests / seconds[key]:.0f} | {seconds['public'] / seconds[key]:.2f}x |")
+        print(
+            f"| {name} | {seconds[key]:.2f} | {1000 * seconds[key] / args.steps:.1f} | "
+            f"{requests / seconds[key]:.0f} | {seconds['public'] / seconds[key]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -91,9 +91,17 @@ def upstream_median(name: str, repeats: int) -> float | None:
     from genlm_backend import assets
 
     completed = subprocess.run(
-        [str(UPSTREAM_PYTHON), "-c", UPSTREAM_SNIPPET, str(assets.tokenizer_dir(name)), name,
-         str(repeats)],
-        capture_output=True, text=True, check=False,
+        [
+            str(UPSTREAM_PYTHON),
+            "-c",
+            UPSTREAM_SNIPPET,
+            str(assets.tokenizer_dir(name)),
+            name,
+            str(repeats),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if completed.returncode != 0:
         print(f"upstream failed on {name}: {completed.stderr[-500:]}", file=sys.stderr)
@@ -120,16 +128,22 @@ def bench(name: str, repeats: int) -> dict:
 
 
 def print_table(rows: list[dict], repeats: int) -> None:
-    print(f"decode_vocab, {repeats} timed runs after 1 warm-up; python {platform.python_version()}, "
-          f"{platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"decode_vocab, {repeats} timed runs after 1 warm-up; python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores"
+    )
     print()
-    print("| tokenizer | vocab | decode_vocab median s | best s | batch_decode per id s "
-          "| upstream median s | vocab heap MiB |")
+    print(
+        "| tokenizer | vocab | decode_vocab median s | best s | batch_decode per id s "
+        "| upstream median s | vocab heap MiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         upstream = "n/a" if row["upstream_s"] is None else f"{row['upstream_s']:.3f}"
-        print(f"| {row['name']} | {row['size']:,} | {row['median_s']:.3f} | {row['best_s']:.3f} "
-              f"| {row['baseline_s']:.3f} | {upstream} | {row['megabytes']:.0f} |")
+        print(
+            f"| {row['name']} | {row['size']:,} | {row['median_s']:.3f} | {row['best_s']:.3f} "
+            f"| {row['baseline_s']:.3f} | {upstream} | {row['megabytes']:.0f} |"
+        )
 
 
 def main() -> None:

@@ -1,17 +1,18 @@
 """Plot seconds vs particles from ``bench_hf.py --json`` output.
 
-    python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --json hf.json
-    python benchmarks/plot_hf.py hf.json benchmarks/hf_time_vs_particles.png
+python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --json hf.json
+python benchmarks/plot_hf.py hf.json benchmarks/hf_time_vs_particles.png
 """
 
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 LABELS = {
     "ours": "genlm_backend AsyncTransformer",
@@ -22,7 +23,7 @@ LABELS = {
 
 
 def main(source: str, target: str) -> None:
-    results = json.loads(open(source).read())
+    results = json.loads(Path(source).read_text())
     series = defaultdict(list)
     steps = set()
     for r in results:

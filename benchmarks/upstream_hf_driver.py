@@ -11,9 +11,8 @@ import resource
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from genlm.backend.llm import AsyncTransformer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 

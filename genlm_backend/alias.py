@@ -45,7 +45,7 @@ def target_name(fullname: str) -> str | None:
     if fullname == UPSTREAM_NAME:
         return TARGET_NAME
     if fullname.startswith(UPSTREAM_NAME + "."):
-        return TARGET_NAME + fullname[len(UPSTREAM_NAME):]
+        return TARGET_NAME + fullname[len(UPSTREAM_NAME) :]
     return None
 
 

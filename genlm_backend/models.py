@@ -137,17 +137,23 @@ def _resolve_hub_name(name: str) -> Path | str:
 
     tried = f"model {name!r} is not a local folder or .gguf file"
     try:
-        cached_config = try_to_load_from_cache(name, "config.json", cache_dir=constants.HF_HUB_CACHE)
+        cached_config = try_to_load_from_cache(
+            name, "config.json", cache_dir=constants.HF_HUB_CACHE
+        )
     except HFValidationError as exc:
-        raise ModelNotFoundError(f"{tried}, nor a valid hub model id ({exc}); {_HOW_TO_POINT}") from None
+        raise ModelNotFoundError(
+            f"{tried}, nor a valid hub model id ({exc}); {_HOW_TO_POINT}"
+        ) from None
     if isinstance(cached_config, str):
         return Path(cached_config).parent
     tried += f", is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
     if constants.HF_HUB_OFFLINE:
-        raise ModelNotFoundError(f"{tried}, and the hub was not asked (HF_HUB_OFFLINE is set); {_HOW_TO_POINT}")
+        raise ModelNotFoundError(
+            f"{tried}, and the hub was not asked (HF_HUB_OFFLINE is set); {_HOW_TO_POINT}"
+        )
     try:
         HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
-    except Exception as exc:  # any failure of the one request: unreachable, timeout, 404, auth
+    except Exception as exc:  # noqa: BLE001 (any failure of the one request: unreachable, timeout, 404, auth)
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ModelNotFoundError(
             f"{tried}, and the Hugging Face hub did not provide it ({reason}); {_HOW_TO_POINT}"

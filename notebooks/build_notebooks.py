@@ -1,7 +1,7 @@
 """Write the example notebooks' sources; then execute them to save their outputs.
 
-    python notebooks/build_notebooks.py [NAME ...]       # all notebooks when no name is given
-    python -m jupyter nbconvert --execute --inplace notebooks/*.ipynb   # or tests/test_notebooks.py
+python notebooks/build_notebooks.py [NAME ...]       # all notebooks when no name is given
+python -m jupyter nbconvert --execute --inplace notebooks/*.ipynb   # or tests/test_notebooks.py
 """
 
 import sys
@@ -68,7 +68,9 @@ SMC = [
         "for p in particles[:8]:\n"
         "    print(repr(llm.tokenizer.decode(p[len(prompt):])))"
     ),
-    new_markdown_cell("Particle weights before each resampling decision, and the effective sample size:"),
+    new_markdown_cell(
+        "Particle weights before each resampling decision, and the effective sample size:"
+    ),
     new_code_cell(
         "fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))\n"
         "weights = np.array([w for w, _ in history])\n"
@@ -118,7 +120,9 @@ TRIE = [
         "best = trie.weight_max(probs)\n"
         "float(mass[node]), float(best[node])"
     ),
-    new_markdown_cell("The sub-trie under `' Par'`, weighted by next-token probability (Graphviz):"),
+    new_markdown_cell(
+        "The sub-trie under `' Par'`, weighted by next-token probability (Graphviz):"
+    ),
     new_code_cell("trie.visualize(mass, prefix=b' Par', max_nodes=25)"),
 ]
 
@@ -200,14 +204,23 @@ GENLM_CONTROL = [
 ]
 
 
-NOTEBOOKS = {"smc_walkthrough": SMC, "token_character_trie": TRIE, "genlm_control_regex": GENLM_CONTROL}
+NOTEBOOKS = {
+    "smc_walkthrough": SMC,
+    "token_character_trie": TRIE,
+    "genlm_control_regex": GENLM_CONTROL,
+}
 
 
 def main(names: list[str]) -> None:
     """Write the named notebooks (all of them when none is named), dropping their outputs."""
     for name in names or NOTEBOOKS:
         cells = NOTEBOOKS[name]
-        notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+        notebook = new_notebook(
+            cells=cells,
+            metadata={
+                "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+            },
+        )
         nbformat.write(notebook, HERE / f"{name}.ipynb")
 
 

@@ -14,10 +14,19 @@ from genlm_backend import assets
 TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
 
 # Fixtures that need the real assets (directly or through request.getfixturevalue).
-ASSET_FIXTURES = frozenset({
-    "load_test_tokenizer", "gpt2_tokenizer", "default_model_dir", "smollm2_tokenizer",
-    "smollm2_model", "tiny_gpt2", "tiny_llama", "real_tokenizer", "vocab_of",
-})
+ASSET_FIXTURES = frozenset(
+    {
+        "load_test_tokenizer",
+        "gpt2_tokenizer",
+        "default_model_dir",
+        "smollm2_tokenizer",
+        "smollm2_model",
+        "tiny_gpt2",
+        "tiny_llama",
+        "real_tokenizer",
+        "vocab_of",
+    }
+)
 
 
 def pytest_collection_finish(session):
@@ -87,8 +96,13 @@ def build_tiny_gpt2(vocab_size: int, seed: int = 0):
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=vocab_size, n_positions=512, n_embd=128, n_layer=2, n_head=2,
-        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+        vocab_size=vocab_size,
+        n_positions=512,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
     )
     return GPT2LMHeadModel(config).eval()
 
@@ -99,8 +113,14 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()

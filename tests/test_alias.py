@@ -50,7 +50,12 @@ def _run(code: str, *args: str, extra_path: Path | None = None, cwd: Path = REPO
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.run(
         [sys.executable, *args] if args else [sys.executable, "-c", code],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        cwd=cwd,
+        timeout=120,
     )
 
 
@@ -69,7 +74,9 @@ def test_alias_serves_genlm_backend_modules_as_themselves(tmp_path):
 
 def test_alias_takes_precedence_over_installed_upstream(tmp_path):
     upstream = _fake_upstream(tmp_path / "site")
-    script = _script(tmp_path, IDENTITY_CHECK + "import genlm.control; assert genlm.control.CONTROL\n")
+    script = _script(
+        tmp_path, IDENTITY_CHECK + "import genlm.control; assert genlm.control.CONTROL\n"
+    )
     result = _run("", "-m", "genlm_backend.alias", str(script), extra_path=upstream)
     assert result.returncode == 0, result.stderr
     assert "IDENTICAL" in result.stdout
@@ -177,8 +184,8 @@ def test_command_line_without_target_prints_usage(argv):
 
 @pytest.mark.parametrize("name", ["AsyncMlxLM", "AsyncSGLTransformer"])
 def test_upstream_only_backends_import_but_raise_when_built(name):
-    from genlm_backend.errors import BackendNotAvailableError
     from genlm_backend import llm
+    from genlm_backend.errors import BackendNotAvailableError
 
     backend = getattr(llm, name)
     with pytest.raises(BackendNotAvailableError, match="use load_model_by_name"):

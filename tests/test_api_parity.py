@@ -34,7 +34,9 @@ importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "vllm"
 
 
 def test_star_import_works_without_vllm_and_the_placeholder_explains_itself():
-    script = HIDE_VLLM + """
+    script = (
+        HIDE_VLLM
+        + """
 from genlm_backend import *
 from genlm_backend.errors import BackendNotAvailableError
 outcome = {"names": sorted(k for k in dir() if k[0].isupper())}
@@ -46,6 +48,7 @@ for build in (lambda: AsyncVirtualLM(None), lambda: AsyncVirtualLM.from_name("m"
         outcome.setdefault("errors", []).append(str(exc))
 print(json.dumps(outcome))
 """
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     outcome = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"AsyncVirtualLM", "AsyncTransformer", "MockAsyncLM", "AsyncLM"} <= set(outcome["names"])
@@ -69,7 +72,9 @@ def test_reset_async_queries_needs_no_await():
         return await asyncio.wait_for(llm.next_token_logprobs([2]), 10)
 
     row = asyncio.run(main())
-    expected = MockAsyncLM(byte_vocab=SMALL_VOCAB, output_cache_bytes=0).next_token_logprobs_sync([2])
+    expected = MockAsyncLM(byte_vocab=SMALL_VOCAB, output_cache_bytes=0).next_token_logprobs_sync(
+        [2]
+    )
     torch.testing.assert_close(row, expected, atol=1e-6, rtol=0)
     llm.close()
 
@@ -101,16 +106,42 @@ def parameters(function) -> list[tuple[str, object]]:
 @pytest.mark.parametrize(
     "function, expected",
     [
-        (AsyncTransformer.__init__, [("self", inspect._empty), ("hf_model", inspect._empty),
-                                     ("hf_tokenizer", inspect._empty), ("batch_size", None), ("timeout", 0.02)]),
-        (AsyncTransformer.from_name, [("model_id", None), ("bitsandbytes_opts", None), ("hf_opts", None)]),
+        (
+            AsyncTransformer.__init__,
+            [
+                ("self", inspect._empty),
+                ("hf_model", inspect._empty),
+                ("hf_tokenizer", inspect._empty),
+                ("batch_size", None),
+                ("timeout", 0.02),
+            ],
+        ),
+        (
+            AsyncTransformer.from_name,
+            [("model_id", None), ("bitsandbytes_opts", None), ("hf_opts", None)],
+        ),
         (MockAsyncLM.__init__, [("self", inspect._empty), ("tokenizer", None)]),
         (MockAsyncLM.from_name, [("model_name", None)]),
-        (AsyncTransformer.next_token_logprobs, [("self", inspect._empty), ("token_ids", inspect._empty), ("lora_name", None)]),
-        (AsyncTransformer.cache_kv, [("self", inspect._empty), ("prompt_tokens", inspect._empty), ("lora_name", None)]),
-        (AsyncTransformer.sample, [("self", inspect._empty), ("prompt_token_ids", inspect._empty),
-                                   ("max_tokens", inspect._empty), ("eos_token_ids", inspect._empty),
-                                   ("temperature", 1.0), ("seed", None), ("lora_name", None)]),
+        (
+            AsyncTransformer.next_token_logprobs,
+            [("self", inspect._empty), ("token_ids", inspect._empty), ("lora_name", None)],
+        ),
+        (
+            AsyncTransformer.cache_kv,
+            [("self", inspect._empty), ("prompt_tokens", inspect._empty), ("lora_name", None)],
+        ),
+        (
+            AsyncTransformer.sample,
+            [
+                ("self", inspect._empty),
+                ("prompt_token_ids", inspect._empty),
+                ("max_tokens", inspect._empty),
+                ("eos_token_ids", inspect._empty),
+                ("temperature", 1.0),
+                ("seed", None),
+                ("lora_name", None),
+            ],
+        ),
         (AsyncTransformer.remove_lora, [("self", inspect._empty), ("lora_name", inspect._empty)]),
     ],
 )
@@ -129,7 +160,10 @@ def test_mock_serves_adapters_per_request():
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
         llm.next_token_logprobs_sync([1], lora_name="a")
     llm.add_new_lora("weights-1", "a")
-    base, adapted = llm.next_token_logprobs_sync([1]), llm.next_token_logprobs_sync([1], lora_name="a")
+    base, adapted = (
+        llm.next_token_logprobs_sync([1]),
+        llm.next_token_logprobs_sync([1], lora_name="a"),
+    )
     assert (base - adapted).abs().max() > 1e-3
     llm.add_new_lora("weights-2", "a")
     assert (llm.next_token_logprobs_sync([1], lora_name="a") - adapted).abs().max() > 1e-3

@@ -95,5 +95,5 @@ def test_bogus_pypi_version_raises_a_helpful_error(empty_cache):
 
 
 def test_missing_wheel_member_raises(empty_cache):
-    with pytest.raises(AssetFetchError, match="has no file no_such_file.py"):
+    with pytest.raises(AssetFetchError, match=r"has no file no_such_file\.py"):
         assets.fetch_pypi_file("six", "1.16.0", "no_such_file.py")

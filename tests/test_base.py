@@ -139,8 +139,9 @@ BAD_INPUTS = [
     pytest.param(np.array([1.5]), TypeError, "integer dtype", id="float-array"),
     pytest.param([-1], ValueError, "token_ids[0] = -1 is outside", id="negative"),
     pytest.param([0, V], ValueError, f"token_ids[1] = {V} is outside", id="too-large"),
-    pytest.param(list(range(MAX_CONTEXT + 1)), ValueError, "more than the model's context",
-                 id="too-long"),
+    pytest.param(
+        list(range(MAX_CONTEXT + 1)), ValueError, "more than the model's context", id="too-long"
+    ),
     pytest.param("abc", TypeError, "sequence of ints", id="str"),
     pytest.param(5, TypeError, "sequence of ints", id="int"),
     pytest.param(torch.tensor([[1, 2]]), TypeError, "1-D", id="2d-tensor"),
@@ -215,8 +216,9 @@ async def test_integer_inputs_of_any_kind_are_accepted(llm, ids):
 
 
 def test_sync_works_without_an_event_loop(llm):
-    torch.testing.assert_close(llm.next_token_logprobs_sync([4, 2]), reference([4, 2]),
-                               atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        llm.next_token_logprobs_sync([4, 2]), reference([4, 2]), atol=TOL, rtol=0
+    )
     rows = llm.batch_next_token_logprobs_sync([[4, 2], [2, 4]])
     torch.testing.assert_close(rows[1], reference([2, 4]), atol=TOL, rtol=0)
 
@@ -232,10 +234,10 @@ def test_one_object_serves_several_asyncio_runs(llm):
     for run in range(3):
         contexts = [[run], [run, 1], [run, 2]]
 
-        async def main():
+        async def main(contexts):
             return await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
 
-        for row, context in zip(asyncio.run(main()), contexts):
+        for row, context in zip(asyncio.run(main(contexts)), contexts):
             torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
     assert llm.stats.num_batches == 3  # one batch per run: each loop batches its requests
 
@@ -448,4 +450,6 @@ def test_sample_token_follows_the_distribution_and_skips_impossible_tokens():
     expected = torch.softmax(logits.double(), 0) * len(draws)
     assert counts[1] == 0 and counts[4] == 0
     # within 5 standard errors of each expected count
-    assert torch.all((counts - expected).abs() <= 5 * expected.mul(1 - expected / len(draws)).sqrt() + 1e-9)
+    assert torch.all(
+        (counts - expected).abs() <= 5 * expected.mul(1 - expected / len(draws)).sqrt() + 1e-9
+    )

@@ -83,7 +83,9 @@ def test_needs_a_running_loop():
 
 
 async def test_flushes_at_batch_size(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False
+    )
     results = await bounded(asyncio.gather(*(batcher.submit(k) for k in range(6))))
     assert results == [f"value:{k}" for k in range(6)]
     assert running_recorder.batches == [[0, 1, 2], [3, 4, 5]]
@@ -93,7 +95,9 @@ async def test_flushes_at_batch_size(running_recorder):
 
 async def test_timeout_flushes_a_lone_request(running_recorder):
     timeout_s = 0.2
-    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=timeout_s, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=8, timeout_s=timeout_s, flush_on_idle=False
+    )
     start = time.monotonic()
     assert await bounded(batcher.submit("lonely")) == "value:lonely"
     elapsed_s = time.monotonic() - start
@@ -125,7 +129,9 @@ async def test_idle_flush_forms_one_batch_per_lockstep_step(running_recorder):
 
 
 async def test_deduplicates_queued_keys(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
     results = await bounded(asyncio.gather(*(batcher.submit(k) for k in "aaba")))
     assert results == ["value:a", "value:a", "value:b", "value:a"]
     assert running_recorder.batches == [["a", "b"]]
@@ -135,7 +141,9 @@ async def test_deduplicates_queued_keys(running_recorder):
 
 
 async def test_deduplicates_a_key_in_flight(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False
+    )
     running_recorder.block()
     first = asyncio.ensure_future(batcher.submit("a"))
     assert await bounded(running_recorder.started) == ["a"]
@@ -183,7 +191,9 @@ async def test_uses_the_given_executor(running_recorder):
 
 
 async def test_cancelled_caller_in_flight_does_not_break_others(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
     running_recorder.block()
     cancelled = asyncio.ensure_future(batcher.submit("a"))
     survivor = asyncio.ensure_future(batcher.submit("b"))
@@ -204,7 +214,9 @@ async def test_cancelled_caller_in_flight_does_not_break_others(running_recorder
 
 
 async def test_key_cancelled_before_dispatch_is_never_computed(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
     doomed = asyncio.ensure_future(batcher.submit("doomed"))
     await asyncio.sleep(0)  # let it enqueue
     assert batcher.stats.num_pending == 1
@@ -222,7 +234,9 @@ async def test_key_cancelled_before_dispatch_is_never_computed(running_recorder)
 
 
 async def test_deduplicated_key_survives_one_cancelled_waiter_before_dispatch(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
     leaver = asyncio.ensure_future(batcher.submit("k"))
     stayer = asyncio.ensure_future(batcher.submit("k"))
     await asyncio.sleep(0)
@@ -239,7 +253,9 @@ async def test_deduplicated_key_survives_one_cancelled_waiter_before_dispatch(ru
 
 
 async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=1, timeout_s=LONG_S, flush_on_idle=False
+    )
     running_recorder.block()
     leaver = asyncio.ensure_future(batcher.submit("k"))
     stayer = asyncio.ensure_future(batcher.submit("k"))
@@ -258,7 +274,9 @@ async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_
 
 async def test_exception_fails_exactly_its_batch(running_recorder):
     running_recorder.fail_on = "bad"
-    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
     outcomes = await bounded(
         asyncio.gather(*(batcher.submit(k) for k in ["bad", "a", "b", "c"]), return_exceptions=True)
     )
@@ -301,7 +319,9 @@ async def test_wrong_number_of_values_fails_that_batch(running_recorder):
 
 
 async def test_aclose_fails_pending_and_later_requests(running_recorder):
-    batcher = make_batcher(running_recorder, max_batch_size=4, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=4, timeout_s=LONG_S, flush_on_idle=False
+    )
     pending = asyncio.ensure_future(batcher.submit("a"))
     await asyncio.sleep(0)
     assert batcher.stats.num_pending == 1
@@ -341,7 +361,9 @@ async def test_async_with_closes(running_recorder):
 
 async def test_stats_count_everything(running_recorder):
     running_recorder.fail_on = "bad"
-    batcher = make_batcher(running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    batcher = make_batcher(
+        running_recorder, max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False
+    )
     keys = ["a", "b", "a", "c", "bad", "d", "d", "e"]
     outcomes = await bounded(
         asyncio.gather(*(batcher.submit(k) for k in keys), return_exceptions=True)

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_extractor():
-    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    spec = importlib.util.spec_from_file_location(
+        "readme_commands", ROOT / ".ci" / "readme_commands.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,7 +36,9 @@ def test_the_readme_has_exactly_the_two_quick_start_commands():
 def test_the_script_prints_one_command_per_line():
     result = subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "readme_commands.py"), str(ROOT / "README.md")],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert result.stdout.splitlines() == extractor.quick_start_commands(
         (ROOT / "README.md").read_text(encoding="utf-8")

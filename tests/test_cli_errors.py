@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_module(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "genlm_backend", *args], capture_output=True, text=True,
-        cwd=ROOT, timeout=300, **kwargs,
+        [sys.executable, "-m", "genlm_backend", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=300,
+        **kwargs,
     )
 
 
@@ -89,9 +94,21 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, short_context_mock)
 def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
     """A real Ctrl-C (SIGINT) while the demo samples, sent once its progress bar shows."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "genlm_backend", "demo", "--backend", "mock",
-         "--particles", "64", "--chars", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "genlm_backend",
+            "demo",
+            "--backend",
+            "mock",
+            "--particles",
+            "64",
+            "--chars",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
         env={**os.environ, "TQDM_MININTERVAL": "0"},
     )
     seen = b""
@@ -109,10 +126,24 @@ def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
 
 @pytest.mark.slow
 def test_demo_counts_unicode_characters(capsys):
-    argv = ["demo", "--backend", "mock", "--particles", "4", "--chars", "6",
-            "--allowed", "éü", "--seed", "1", "--no-progress"]
+    argv = [
+        "demo",
+        "--backend",
+        "mock",
+        "--particles",
+        "4",
+        "--chars",
+        "6",
+        "--allowed",
+        "éü",
+        "--seed",
+        "1",
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
-    rows = [re.match(r"^\s*\d\.\d{4}  (.*)$", line) for line in capsys.readouterr().out.splitlines()]
+    rows = [
+        re.match(r"^\s*\d\.\d{4}  (.*)$", line) for line in capsys.readouterr().out.splitlines()
+    ]
     texts = [ast.literal_eval(row[1]) for row in rows if row]  # printed with repr()
     assert len(texts) == 4
     # Six characters of two UTF-8 bytes each, never a stray byte of either.
@@ -134,7 +165,9 @@ def test_info_offers_hf_only_with_accelerate(capsys, monkeypatch):
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a),
     )
     monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
     assert cli.main(["info"]) == 0

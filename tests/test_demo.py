@@ -13,7 +13,17 @@ from genlm_backend.trie import AsyncTokenCharacterTrie
 
 E_ACUTE = "é".encode()  # b"\xc3\xa9"
 E_GRAVE = "è".encode()  # b"\xc3\xa8"
-VOCAB = [b"a", E_ACUTE[:1], E_ACUTE[1:], E_ACUTE, E_ACUTE[1:] + b"a", b"b", E_GRAVE, b"a" + E_ACUTE[:1], b""]
+VOCAB = [
+    b"a",
+    E_ACUTE[:1],
+    E_ACUTE[1:],
+    E_ACUTE,
+    E_ACUTE[1:] + b"a",
+    b"b",
+    E_GRAVE,
+    b"a" + E_ACUTE[:1],
+    b"",
+]
 
 
 def allowed_tokens(constraint: CharacterConstraint, pending: bytes) -> list[bytes]:
@@ -58,7 +68,14 @@ def test_particles_write_the_requested_number_of_characters(mock_llm, capsys):
     async def sample():
         try:
             return await importance_sample(
-                mock_llm, trie, prompt, num_particles=3, num_chars=5, allowed="éa", seed=0, progress=True
+                mock_llm,
+                trie,
+                prompt,
+                num_particles=3,
+                num_chars=5,
+                allowed="éa",
+                seed=0,
+                progress=True,
             )
         finally:
             await trie.aclose()
@@ -71,4 +88,6 @@ def test_particles_write_the_requested_number_of_characters(mock_llm, capsys):
         written = b"".join(mock_llm.byte_vocab[t] for t in particle.token_ids)
         assert particle.text.encode().startswith(written)
     assert torch.isfinite(torch.tensor([p.log_weight for p in result.particles])).all()
-    assert "characters written (all particles)" in capsys.readouterr().err  # the bar says what it counts
+    assert (
+        "characters written (all particles)" in capsys.readouterr().err
+    )  # the bar says what it counts

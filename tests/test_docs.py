@@ -13,7 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # migration.md sets old and new code side by side in tables: not scripts.
-PAGES = [page for page in sorted(ROOT.glob("docs/*.md")) if page.name != "migration.md"] + [ROOT / "README.md"]
+PAGES = [page for page in sorted(ROOT.glob("docs/*.md")) if page.name != "migration.md"] + [
+    ROOT / "README.md"
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -52,7 +54,9 @@ def test_python_snippets_are_complete_scripts(page):
 
 
 def test_the_check_finds_what_it_should():
-    assert undefined_names("import asyncio\nasync def f():\n    return await llm.x(asyncio)\n") == {"llm"}
+    assert undefined_names("import asyncio\nasync def f():\n    return await llm.x(asyncio)\n") == {
+        "llm"
+    }
     assert undefined_names("x = 1\nprint(x, y)\n") == {"y"}
     with pytest.raises(SyntaxError):
         compile("await f()\n", "<docs>", "exec")
@@ -63,6 +67,12 @@ def test_the_api_reference_covers_every_backend_and_the_demo():
     for module in directives:
         path = ROOT.joinpath(*module.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
-    required = {"genlm_backend.llm.hf", "genlm_backend.llm.vllm", "genlm_backend.llm.mock",
-                "genlm_backend.demo", "genlm_backend.cli", "genlm_backend.install_vllm"}
+    required = {
+        "genlm_backend.llm.hf",
+        "genlm_backend.llm.vllm",
+        "genlm_backend.llm.mock",
+        "genlm_backend.demo",
+        "genlm_backend.cli",
+        "genlm_backend.install_vllm",
+    }
     assert required <= set(directives)

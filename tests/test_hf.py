@@ -207,11 +207,23 @@ async def test_lora_results_are_keyed_by_adapter(tiny_llama, tmp_path):
     llm.clear_lora()
     base_again = await llm.next_token_logprobs(context + [15])
 
-    torch.testing.assert_close(lora_result, reference(reference_adapted, context), atol=ATOL, rtol=0)
-    torch.testing.assert_close(lora_extended, reference(reference_adapted, context + [15]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(base_result, reference(build_tiny_llama(model.config.vocab_size), context), atol=ATOL, rtol=0)
     torch.testing.assert_close(
-        base_again, reference(build_tiny_llama(model.config.vocab_size), context + [15]), atol=ATOL, rtol=0
+        lora_result, reference(reference_adapted, context), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        lora_extended, reference(reference_adapted, context + [15]), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        base_result,
+        reference(build_tiny_llama(model.config.vocab_size), context),
+        atol=ATOL,
+        rtol=0,
+    )
+    torch.testing.assert_close(
+        base_again,
+        reference(build_tiny_llama(model.config.vocab_size), context + [15]),
+        atol=ATOL,
+        rtol=0,
     )
     assert (lora_result - base_result).abs().max() > 1e-3  # the adapter changes the output
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
@@ -287,7 +299,9 @@ async def test_lock_step_particles_extend_their_block_in_place_and_stay_exact(ti
         assert_matches_reference(llm, particle, result)
 
 
-async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(tiny_llama, monkeypatch):
+async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(
+    tiny_llama, monkeypatch
+):
     """On CPU the runner's masked attention calls SDPA with grouped key/value heads, not repeated ones."""
     from genlm_backend.llm import hf_compat as hf_runner
 

@@ -26,7 +26,9 @@ def save_adapter(vocab_size: int, path, seed: int) -> str:
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(build_tiny_llama(vocab_size, seed=BASE_SEED), config)
-    with torch.no_grad():  # B is zero-initialised by peft even with init_lora_weights=False on some versions
+    with (
+        torch.no_grad()
+    ):  # B is zero-initialised by peft even with init_lora_weights=False on some versions
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
@@ -46,7 +48,9 @@ class References:
             base = build_tiny_llama(self.vocab_size, seed=BASE_SEED)
             self._models[adapter_path] = peft.PeftModel.from_pretrained(base, adapter_path).eval()
         with torch.inference_mode():
-            logits = self._models[adapter_path](torch.tensor([list(context)]), use_cache=False).logits[0, -1]
+            logits = self._models[adapter_path](
+                torch.tensor([list(context)]), use_cache=False
+            ).logits[0, -1]
         return torch.log_softmax(logits.float(), dim=-1)[: self.vocab_size]
 
 
@@ -54,7 +58,9 @@ class References:
 def adapter_paths(tiny_llama, tmp_path_factory):
     model, _ = tiny_llama
     folder = tmp_path_factory.mktemp("adapters")
-    return [save_adapter(model.config.vocab_size, folder / f"adapter{i}", seed=10 + i) for i in range(3)]
+    return [
+        save_adapter(model.config.vocab_size, folder / f"adapter{i}", seed=10 + i) for i in range(3)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +89,27 @@ async def test_adapters_really_differ(llm, adapter_paths, references):
             assert (rows[i] - rows[j]).abs().max() > 1e-2
 
 
-async def test_a_batch_mixing_adapters_matches_each_adapters_forward(llm, adapter_paths, references):
+async def test_a_batch_mixing_adapters_matches_each_adapters_forward(
+    llm, adapter_paths, references
+):
     llm.add_new_lora(adapter_paths[0], "a")
     llm.add_new_lora(adapter_paths[1], "b")
     names = {None: None, "a": adapter_paths[0], "b": adapter_paths[1]}
     prompt = [5, 6, 7, 8, 9]
     requests = [(name, prompt + extra) for extra in ([], [10], [10, 11], [12]) for name in names]
     for round_number in range(3):  # later rounds extend cached contexts of every adapter
-        rows = await asyncio.gather(*(llm.next_token_logprobs(ctx, lora_name=name) for name, ctx in requests))
+        rows = await asyncio.gather(
+            *(llm.next_token_logprobs(ctx, lora_name=name) for name, ctx in requests)
+        )
         for (name, context), row in zip(requests, rows):
             check(row, references, names[name], context)
         requests = [(name, context + [20 + round_number]) for name, context in requests]
     assert llm.stats.num_batches <= 6  # adapters were batched together, not one batch each
 
 
-async def test_kv_is_stored_under_the_requests_adapter_not_the_default_at_batch_time(llm, adapter_paths, references):
+async def test_kv_is_stored_under_the_requests_adapter_not_the_default_at_batch_time(
+    llm, adapter_paths, references
+):
     llm.add_new_lora(adapter_paths[0], "a")
     context = [21, 22, 23, 24, 25, 26]
     await llm.next_token_logprobs([1])  # this loop's batcher exists before the request queues
@@ -109,13 +121,22 @@ async def test_kv_is_stored_under_the_requests_adapter_not_the_default_at_batch_
     check(base_row, references, None, context)
     check(adapter_row, references, adapter_paths[0], context + [27])
     # Extensions of the cached base context, under the adapter and under the base model:
-    check(llm.next_token_logprobs_sync(context + [28]), references, adapter_paths[0], context + [28])
-    check(llm.next_token_logprobs_sync(context + [28], lora_name=None), references, adapter_paths[0], context + [28])
+    check(
+        llm.next_token_logprobs_sync(context + [28]), references, adapter_paths[0], context + [28]
+    )
+    check(
+        llm.next_token_logprobs_sync(context + [28], lora_name=None),
+        references,
+        adapter_paths[0],
+        context + [28],
+    )
     llm.clear_lora()
     check(llm.next_token_logprobs_sync(context + [28]), references, None, context + [28])
 
 
-def test_reregistering_a_name_drops_exactly_its_cached_results_and_kv(llm, adapter_paths, references):
+def test_reregistering_a_name_drops_exactly_its_cached_results_and_kv(
+    llm, adapter_paths, references
+):
     context = [31, 32, 33, 34, 35]
     llm.add_new_lora(adapter_paths[0], "a")
     llm.add_new_lora(adapter_paths[1], "b")
@@ -124,13 +145,27 @@ def test_reregistering_a_name_drops_exactly_its_cached_results_and_kv(llm, adapt
     assert len(llm.output_cache) == 3
     llm.add_new_lora(adapter_paths[2], "a")  # same name, new weights
     assert len(llm.output_cache) == 2  # only "a"'s row went
-    check(llm.next_token_logprobs_sync(context, lora_name="a"), references, adapter_paths[2], context)
-    check(llm.next_token_logprobs_sync(context + [36], lora_name="a"), references, adapter_paths[2], context + [36])
+    check(
+        llm.next_token_logprobs_sync(context, lora_name="a"), references, adapter_paths[2], context
+    )
+    check(
+        llm.next_token_logprobs_sync(context + [36], lora_name="a"),
+        references,
+        adapter_paths[2],
+        context + [36],
+    )
     hits = llm.stats.num_output_cache_hits
-    check(llm.next_token_logprobs_sync(context, lora_name="b"), references, adapter_paths[1], context)
+    check(
+        llm.next_token_logprobs_sync(context, lora_name="b"), references, adapter_paths[1], context
+    )
     check(llm.next_token_logprobs_sync(context), references, None, context)
     assert llm.stats.num_output_cache_hits == hits + 2  # the others' rows were kept
-    check(llm.next_token_logprobs_sync(context + [36], lora_name="b"), references, adapter_paths[1], context + [36])
+    check(
+        llm.next_token_logprobs_sync(context + [36], lora_name="b"),
+        references,
+        adapter_paths[1],
+        context + [36],
+    )
 
 
 def test_remove_lora_drops_its_results_and_forgets_the_name(llm, adapter_paths, references):
@@ -148,7 +183,9 @@ def test_remove_lora_drops_its_results_and_forgets_the_name(llm, adapter_paths, 
         llm.remove_lora("a")
     check(llm.next_token_logprobs_sync(context + [44]), references, None, context + [44])
     llm.add_new_lora(adapter_paths[1], "a")  # the name is free again
-    check(llm.next_token_logprobs_sync(context, lora_name="a"), references, adapter_paths[1], context)
+    check(
+        llm.next_token_logprobs_sync(context, lora_name="a"), references, adapter_paths[1], context
+    )
 
 
 async def test_unknown_adapter_fails_only_its_caller(llm, adapter_paths, references):
@@ -166,7 +203,9 @@ async def test_unknown_adapter_fails_only_its_caller(llm, adapter_paths, referen
         llm.set_lora(lora_name="missing")
 
 
-async def test_a_request_waiting_while_its_adapter_is_replaced_fails_alone(llm, adapter_paths, references):
+async def test_a_request_waiting_while_its_adapter_is_replaced_fails_alone(
+    llm, adapter_paths, references
+):
     llm.add_new_lora(adapter_paths[0], "a")
     await llm.next_token_logprobs([1])
     waiting = asyncio.ensure_future(llm.next_token_logprobs([7, 8, 9], lora_name="a"))
@@ -178,7 +217,12 @@ async def test_a_request_waiting_while_its_adapter_is_replaced_fails_alone(llm, 
     assert isinstance(outcomes[0], ValueError) and "re-registered" in str(outcomes[0])
     for context, row in zip(contexts, outcomes[1]):
         check(row, references, adapter_paths[1], context)
-    check(await llm.next_token_logprobs([7, 8, 9], lora_name="a"), references, adapter_paths[1], [7, 8, 9])
+    check(
+        await llm.next_token_logprobs([7, 8, 9], lora_name="a"),
+        references,
+        adapter_paths[1],
+        [7, 8, 9],
+    )
 
 
 async def test_every_entry_point_takes_lora_name(llm, adapter_paths, references):
@@ -186,7 +230,9 @@ async def test_every_entry_point_takes_lora_name(llm, adapter_paths, references)
     path, context = adapter_paths[0], [51, 52, 53]
     check(llm.next_token_logprobs_uncached(context, lora_name="a"), references, path, context)
     llm.cache_kv(context, lora_name="a")
-    check(await llm.next_token_logprobs(context + [1], lora_name="a"), references, path, context + [1])
+    check(
+        await llm.next_token_logprobs(context + [1], lora_name="a"), references, path, context + [1]
+    )
     rows = await llm.batch_next_token_logprobs([context, context + [2]], lora_name="a")
     check(rows[1], references, path, context + [2])
     rows = llm.batch_next_token_logprobs_sync([context + [3]], lora_name="a")
@@ -195,6 +241,7 @@ async def test_every_entry_point_takes_lora_name(llm, adapter_paths, references)
     llm.set_lora(lora_name="a")
     assert await llm.sample(context, 4, [], seed=7) == sampled  # same adapter, same stream
     llm.clear_lora()
-    assert await llm.batch_sample([context], 4, [], seed=3, lora_name="a") == [
+    assert (
         await llm.batch_sample([context], 4, [], seed=3, lora_name="a")
-    ][0]
+        == [await llm.batch_sample([context], 4, [], seed=3, lora_name="a")][0]
+    )

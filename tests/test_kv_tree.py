@@ -163,7 +163,7 @@ def test_random_workloads_match_a_brute_force_model(seed, budget_blocks):
         query = [rng.randrange(3) for _ in range(rng.randint(1, 7))]
         live = [entry_context(entry) for entry in tree._lru.values()]
         expected = max((common_prefix(c, query) for c in live), default=0)
-        entry, shared = tree.longest_prefix(query)
+        _, shared = tree.longest_prefix(query)
         assert shared == expected
         if shared:
             assert reused_tokens(tree, query) == query[:shared]

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from genlm_backend.errors import BackendNotAvailableError
-from genlm_backend.llm import MockAsyncLM, load_model_by_name
-from genlm_backend.llm import loader
+from genlm_backend.llm import MockAsyncLM, load_model_by_name, loader
 
 
 @pytest.mark.slow

@@ -54,8 +54,9 @@ def test_resolve_model_path_for_a_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_resolve_model_path_converts_a_gguf_once(monkeypatch, tmp_path, smollm2_model,
-                                                 smollm2_tokenizer):
+def test_resolve_model_path_converts_a_gguf_once(
+    monkeypatch, tmp_path, smollm2_model, smollm2_tokenizer
+):
     from transformers import AutoModelForCausalLM
 
     gguf = models.default_gguf_path()  # from the shared cache, before redirecting it

@@ -17,12 +17,23 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 def execute(name: str) -> nbformat.NotebookNode:
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    nbclient.NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    ).execute()
     return notebook
 
 
 def outputs_of(notebook, kind: str) -> list:
-    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", []) if kind in out.get("data", {})]
+    return [
+        out
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if kind in out.get("data", {})
+    ]
 
 
 @pytest.mark.slow
@@ -54,7 +65,13 @@ def genlm_control_installed() -> bool:
 
 
 def stream_text(notebook) -> str:
-    return "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    return "".join(
+        out.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream"
+    )
 
 
 @pytest.mark.slow

@@ -42,8 +42,14 @@ def make_vllm(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("contract_gpt2")
     build_tiny_gpt2(len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8,
-            "max_num_batched_tokens": 64, "gpu_memory_utilization": 0.3}
+    opts = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "gpu_memory_utilization": 0.3,
+    }
     llm = AsyncVirtualLM.from_name(path, engine_opts=opts)
     return llm.runner, llm, 1e-3
 
@@ -100,7 +106,9 @@ def adapter_for(name: str, runner, tmp_path) -> Adapter:
         return Adapter("a", 1, "mock-weights")
     peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
     torch.manual_seed(4)
-    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
+    )
     model = peft.get_peft_model(build_tiny_gpt2(runner.vocab_size), config)
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():

@@ -157,7 +157,9 @@ def smollm2_missing_bytes(tokenizer) -> set[int]:
 
 
 @pytest.mark.parametrize("name", REAL_TOKENIZERS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=st.text(max_size=40))
 def test_token_bytes_join_to_the_text(vocab_of, name, text):
     tokenizer, byte_vocab, _ = vocab_of(name)

@@ -44,12 +44,18 @@ def build_sentencepiece_style_tokenizer():
     for piece in sorted(learned["vocab"], key=learned["vocab"].get):
         vocab.setdefault(piece, len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
-    backend = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend = Tokenizer(
+        models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
     backend.pre_tokenizer = metaspace
-    backend.decoder = decoders.Sequence([
-        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
@@ -82,9 +88,16 @@ def slow_sentencepiece(tmp_path_factory):
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, add_dummy_prefix=False,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        add_dummy_prefix=False,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
     )
     path = tmp_path_factory.mktemp("sp") / "sp.model"
     path.write_bytes(model.getvalue())
@@ -155,7 +168,9 @@ def test_slow_byte_level_joins_to_its_decode(slow_byte_level, text):
     tokenizer, byte_vocab, _ = slow_byte_level
     ids = tokenizer.encode(text, add_special_tokens=False)
     joined = b"".join(byte_vocab[i] for i in ids)
-    assert joined.decode("utf-8", "replace") == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert joined.decode("utf-8", "replace") == tokenizer.decode(
+        ids, clean_up_tokenization_spaces=False
+    )
 
 
 # ---------------------------------------------------------------- slow SentencePiece
@@ -220,7 +235,9 @@ def test_str_fallbacks(sentencepiece_style):
 def test_strict_fallback_names_the_first_invalid_token(sentencepiece_style):
     tokenizer, byte_vocab, _ = sentencepiece_style
     first = next(t for t in byte_vocab if not _is_utf8(t))
-    with pytest.raises(VocabularyDecodeError, match=r"PreTrainedTokenizerFast|TokenizersBackend") as info:
+    with pytest.raises(
+        VocabularyDecodeError, match=r"PreTrainedTokenizerFast|TokenizersBackend"
+    ) as info:
         decode_vocab(tokenizer, str_fallback="strict")
     assert f"token id {first.token_id} " in str(info.value)
 
@@ -249,7 +266,9 @@ def test_wordpiece_decoder_is_refused():
 
     backend = Tokenizer(models.WordPiece({"[UNK]": 0, "play": 1, "##ing": 2}, unk_token="[UNK]"))
     backend.decoder = decoders.WordPiece()
-    with pytest.raises(VocabularyDecodeError, match=r"TokenizersBackend.*token id 0 \('\[UNK\]'\).*WordPiece"):
+    with pytest.raises(
+        VocabularyDecodeError, match=r"TokenizersBackend.*token id 0 \('\[UNK\]'\).*WordPiece"
+    ):
         decode_vocab(PreTrainedTokenizerFast(tokenizer_object=backend))
     backend.decoder = None
     with pytest.raises(VocabularyDecodeError, match=r"Tokenizer: .*token id 0 .*no decoder"):
@@ -273,12 +292,16 @@ class _SlowByteLevel:
 
 def test_slow_token_outside_the_byte_table_is_refused():
     assert decode_vocab(_SlowByteLevel(["a", "\u0120b"]))[0] == [b"a", b" b"]
-    with pytest.raises(VocabularyDecodeError, match=r"_SlowByteLevel.*token id 1 \('\u20ac'\).*byte_decoder"):
+    with pytest.raises(
+        VocabularyDecodeError, match=r"_SlowByteLevel.*token id 1 \('\u20ac'\).*byte_decoder"
+    ):
         decode_vocab(_SlowByteLevel(["a", "\u20ac", "c"]))
 
 
 def test_hole_in_the_id_range_is_refused():
-    with pytest.raises(VocabularyDecodeError, match=r"_SlowByteLevel.*token id 1 \(None\).*no token string"):
+    with pytest.raises(
+        VocabularyDecodeError, match=r"_SlowByteLevel.*token id 1 \(None\).*no token string"
+    ):
         decode_vocab(_SlowByteLevel(["a", None]))
 
 

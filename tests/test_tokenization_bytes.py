@@ -34,7 +34,9 @@ def test_undecodable_vocabulary_errors():
         get_byte_vocab(_NoVocabulary())
     with pytest.raises(VocabularyDecodeError, match="Could not decode byte representation") as info:
         decode_vocab(_NoVocabulary())
-    assert isinstance(info.value, ValueError) and "_NoVocabulary: token id 0 ('x')" in str(info.value)
+    assert isinstance(info.value, ValueError) and "_NoVocabulary: token id 0 ('x')" in str(
+        info.value
+    )
     assert isinstance(info.value.__cause__, ByteVocabError)
 
 

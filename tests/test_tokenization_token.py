@@ -43,10 +43,10 @@ def test_same_bytes_different_ids_are_distinct_set_members_and_keys():
 
 def test_against_plain_bytes_the_bytes_comparisons_apply():
     token = Token(7, b"hello")
-    assert token == b"hello" and b"hello" == token and not token != b"hello"  # noqa: SIM202
-    assert token != b"other" and b"other" != token
+    assert token == b"hello" and token == b"hello" and not token != b"hello"  # noqa: SIM202
+    assert token != b"other" and token != b"other"
     assert token <= b"hello" and token >= b"hello" and not token < b"hello"
-    assert token < b"world" and b"world" > token
+    assert token < b"world" and token < b"world"
     assert token != "hello" and token != 7
 
 

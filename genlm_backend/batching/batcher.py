@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
@@ -219,10 +220,8 @@ class AutoBatcher(Generic[K, V]):
             if self.config.flush_on_idle and await self._loop_went_idle():
                 return
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining_s)
-            except TimeoutError:
-                pass
 
     async def _loop_went_idle(self) -> bool:
         """True when one full event-loop pass added no request."""
@@ -297,10 +296,8 @@ class AutoBatcher(Generic[K, V]):
         worker, self._worker = self._worker, None
         if worker is not None and not worker.done():
             worker.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await worker
-            except asyncio.CancelledError:
-                pass
         self._fail_all()
 
     async def __aenter__(self) -> AutoBatcher[K, V]:

@@ -32,7 +32,9 @@ class KVBlock:
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.layers = layers
-        self.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        self.nbytes = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers
+        )
         self.num_live_entries = 0
         num_rows = layers[0][0].shape[0] if layers else 0
         self.row_ends: list[int] = [0] * num_rows
@@ -115,7 +117,9 @@ class KVPrefixTree:
             budget_bytes=self.budget_bytes,
         )
 
-    def longest_prefix(self, context: Sequence[int], namespace: Hashable = None) -> tuple[KVEntry | None, int]:
+    def longest_prefix(
+        self, context: Sequence[int], namespace: Hashable = None
+    ) -> tuple[KVEntry | None, int]:
         """The entry covering the longest prefix of ``context``, and that prefix's length.
 
         The entry's own context may be shorter (a prefix of ``context``) or
@@ -209,7 +213,12 @@ class KVPrefixTree:
             del node.parent.children[node.token]
             node = node.parent
 
-    def commit(self, block: KVBlock, placements: Sequence[tuple[Sequence[int], int, int]], namespace: Hashable = None) -> bool:
+    def commit(
+        self,
+        block: KVBlock,
+        placements: Sequence[tuple[Sequence[int], int, int]],
+        namespace: Hashable = None,
+    ) -> bool:
         """Keep a computed block: each ``(context, row, start)`` becomes an entry over ``row``'s slots from ``start``.
 
         A new block is first made room for (see :meth:`reserve`); if it does
@@ -242,8 +251,12 @@ class KVPrefixTree:
             return None
         for i, (entry, reused) in enumerate(steps):
             if (
-                entry is None or entry.block is not block or entry.row != i or reused != entry.length
-                or entry.start + entry.length != end or block.row_ends[i] != end
+                entry is None
+                or entry.block is not block
+                or entry.row != i
+                or reused != entry.length
+                or entry.start + entry.length != end
+                or block.row_ends[i] != end
             ):
                 return None
         return block

@@ -44,7 +44,13 @@ class OutputCache:
         ValueError: negative budget or maxsize, or neither limit given.
     """
 
-    def __init__(self, budget_bytes: int | None = None, *, maxsize: int | None = None, move_to_cpu: bool = False):
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        *,
+        maxsize: int | None = None,
+        move_to_cpu: bool = False,
+    ):
         if budget_bytes is None and maxsize is None:
             raise ValueError("give budget_bytes or maxsize")
         if budget_bytes is not None and budget_bytes < 0:

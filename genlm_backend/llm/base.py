@@ -120,7 +120,10 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         self.adapters = AdapterRegistry()
         self._compute_lock = threading.Lock()
         self._batchers: LoopBatchers[Request, torch.Tensor] = LoopBatchers(
-            self._process_batch, self.batching, request_tokens=_context_tokens, thread_name="genlm-model"
+            self._process_batch,
+            self.batching,
+            request_tokens=_context_tokens,
+            thread_name="genlm-model",
         )
         self._is_closed = False
         self._num_requests = self._num_tokens_requested = self._num_cache_hits = 0
@@ -165,7 +168,10 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
     # ------------------------------------------------------------------ requests
 
     def _requests(
-        self, token_ids_list: list[TokenIds], lora_name: str | None, argument: str | None = "token_ids_list"
+        self,
+        token_ids_list: list[TokenIds],
+        lora_name: str | None,
+        argument: str | None = "token_ids_list",
     ) -> list[Request]:
         """Validate the adapter and every context, then count them: a rejected call counts nothing.
 
@@ -174,7 +180,9 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         """
         self._check_open()
         adapter = self.adapters.resolve(lora_name)
-        contexts = validate_contexts(token_ids_list, self.vocab_size, self.max_context_length, argument)
+        contexts = validate_contexts(
+            token_ids_list, self.vocab_size, self.max_context_length, argument
+        )
         self._num_requests += len(contexts)
         self._num_tokens_requested += sum(map(len, contexts))
         return [Request(adapter, context) for context in contexts]
@@ -203,7 +211,10 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
             self._num_contexts_computed += len(current)
             for request, row in rows.items():
                 self.output_cache.put(request, row)
-        return [rows[request] if request in rows else _replaced_adapter_error(request) for request in requests]
+        return [
+            rows[request] if request in rows else _replaced_adapter_error(request)
+            for request in requests
+        ]
 
     async def _submit(self, request: Request) -> torch.Tensor:
         row = self._cached(request)
@@ -224,7 +235,9 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         """The running event loop's batcher."""
         return self._batchers.current()
 
-    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the token following ``token_ids``, under adapter ``lora_name``.
 
         Returns:
@@ -248,9 +261,13 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
         return torch.stack(await asyncio.gather(*map(self._submit, requests)))
 
-    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
-        validate_token_ids(token_ids, self.vocab_size, self.max_context_length)  # errors name token_ids
+        validate_token_ids(
+            token_ids, self.vocab_size, self.max_context_length
+        )  # errors name token_ids
         return self.batch_next_token_logprobs_sync([token_ids], lora_name)[0]
 
     def batch_next_token_logprobs_sync(
@@ -271,11 +288,14 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
                 raise row
         return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
 
-    def next_token_logprobs_uncached(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+    def next_token_logprobs_uncached(
+        self, token_ids: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
         """One plain forward pass over the whole context: no batching, no cache read or written."""
         self._check_open()
         request = Request(
-            self.adapters.resolve(lora_name), validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
+            self.adapters.resolve(lora_name),
+            validate_token_ids(token_ids, self.vocab_size, self.max_context_length),
         )
         with self._compute_lock:
             return self.runner.run_uncached(request).to(self.device)

@@ -70,7 +70,11 @@ class AsyncTransformer(AsyncLM):
 
     @classmethod
     def from_name(
-        cls, model_id=None, bitsandbytes_opts: dict | None = None, hf_opts: dict | None = None, **kwargs
+        cls,
+        model_id=None,
+        bitsandbytes_opts: dict | None = None,
+        hf_opts: dict | None = None,
+        **kwargs,
     ) -> AsyncTransformer:
         """Load a model by local folder, ``.gguf`` file or id resolvable offline (``None``: the default model).
 

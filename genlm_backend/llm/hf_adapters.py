@@ -38,7 +38,9 @@ class PeftAdapters:
         if isinstance(self.model, PeftModel):
             self.model.load_adapter(adapter.path, adapter_name=peft_name(adapter))
         else:
-            self.model = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=peft_name(adapter))
+            self.model = PeftModel.from_pretrained(
+                self.model, adapter.path, adapter_name=peft_name(adapter)
+            )
         self.model.eval()
         self._loaded[adapter.name] = adapter
         if old is not None:
@@ -55,7 +57,9 @@ class PeftAdapters:
             self.model = self.model.unload()  # the base model, LoRA layers removed
             return
         if self.model.active_adapter == peft_name(adapter):
-            self.model.set_adapter(peft_name(next(iter(self._loaded.values()))))  # peft keeps one active
+            self.model.set_adapter(
+                peft_name(next(iter(self._loaded.values())))
+            )  # peft keeps one active
         self.model.delete_adapter(peft_name(adapter))
 
     @contextmanager

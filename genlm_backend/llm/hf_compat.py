@@ -68,7 +68,9 @@ def head_sees_only(model, last: torch.Tensor | None):
 _GROUPED_SDPA = "genlm_sdpa_grouped_kv"
 
 
-def _sdpa_grouped_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def _sdpa_grouped_kv(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' ``sdpa`` attention, except that masked grouped-query attention on CPU keeps its heads grouped.
 
     With any mask, transformers repeats each key/value head once per query
@@ -92,7 +94,15 @@ def _sdpa_grouped_kv(module, query, key, value, attention_mask, dropout=0.0, sca
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
@@ -136,5 +146,3 @@ def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> N
     layer.keys, layer.values = keys, values
     layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
     layer.is_initialized = True
-
-

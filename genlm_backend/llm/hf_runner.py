@@ -86,14 +86,18 @@ class HFRunner:
 
     @property
     def stats(self) -> RunnerStats:
-        return RunnerStats(num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held)
+        return RunnerStats(
+            num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held
+        )
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         """``[len(requests), vocab_size]`` float32 log-probabilities on the model's device."""
         out = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
         for adapter, positions in group_by_adapter(requests).items():
             with self.adapters.active(adapter):
-                out[positions] = self.logprobs([requests[i].context for i in positions], namespace=adapter)
+                out[positions] = self.logprobs(
+                    [requests[i].context for i in positions], namespace=adapter
+                )
         return out
 
     @torch.inference_mode()
@@ -118,7 +122,9 @@ class HFRunner:
         self.kv_tree.clear()
 
     @torch.inference_mode()
-    def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None) -> torch.Tensor:
+    def logprobs(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token after each context, keys/values kept under ``namespace``.
 
         Runs the model as it is (activating an adapter is :meth:`run`'s job).
@@ -152,7 +158,11 @@ class HFRunner:
 
     def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBlock, int]:
         num_new = max(row.num_new for row in rows)
-        block = self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows]) if num_new == 1 else None
+        block = (
+            self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows])
+            if num_new == 1
+            else None
+        )
         if block is not None:
             num_past = rows[0].entry.start + rows[0].reused  # the slot every new token goes to
             cache = self._cache_over(block, num_past)
@@ -162,7 +172,10 @@ class HFRunner:
             block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
         input_ids, position_ids = self._inputs(rows, num_past, num_new)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
-        with grouped_kv_attention(self.model), head_sees_only(self.model, last if num_new > 1 else None):
+        with (
+            grouped_kv_attention(self.model),
+            head_sees_only(self.model, last if num_new > 1 else None),
+        ):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=self._mask(rows, num_past, num_new, block.num_slots),
@@ -172,9 +185,11 @@ class HFRunner:
                 logits_to_keep=max(1, num_new),
             )
         # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
-        logits = output.logits[:, 0] if output.logits.shape[1] == 1 else output.logits[
-            torch.arange(len(rows), device=self.device), last
-        ]
+        logits = (
+            output.logits[:, 0]
+            if output.logits.shape[1] == 1
+            else output.logits[torch.arange(len(rows), device=self.device), last]
+        )
         self.num_tokens_computed += sum(row.num_new for row in rows)
         return fit_to_vocab(logits, self.vocab_size), block, num_past
 
@@ -192,7 +207,9 @@ class HFRunner:
             pinned=[row.entry for row in rows if row.entry is not None],
         )
         copies = _group_copies(rows, self.device)
-        unwritten = [(i, num_past - row.reused) for i, row in enumerate(rows) if row.reused < num_past]
+        unwritten = [
+            (i, num_past - row.reused) for i, row in enumerate(rows) if row.reused < num_past
+        ]
         for layer_index, layer in enumerate(cache.layers):
             # Every slot is written below or by the forward pass itself; only the
             # left padding is zeroed (masked, but it must not hold NaN bit patterns).
@@ -202,7 +219,9 @@ class HFRunner:
                 block_keys, block_values = block.layers[layer_index]
                 past = slice(num_past - reused, num_past)
                 _copy_rows(keys, targets, past, block_keys, sources, slice(start, start + reused))
-                _copy_rows(values, targets, past, block_values, sources, slice(start, start + reused))
+                _copy_rows(
+                    values, targets, past, block_values, sources, slice(start, start + reused)
+                )
             for i, num_padding in unwritten:
                 keys[i, :, :num_padding] = 0
                 values[i, :, :num_padding] = 0
@@ -225,7 +244,9 @@ class HFRunner:
             new = row.context[row.reused :]
             input_ids[i, : len(new)] = torch.tensor(new)
             positions = torch.arange(row.reused, row.reused + num_new)
-            position_ids[i] = positions.clamp_(max=self._max_positions - 1)  # padding stays in range
+            position_ids[i] = positions.clamp_(
+                max=self._max_positions - 1
+            )  # padding stays in range
         return input_ids.to(self.device), position_ids.to(self.device)
 
     def _mask(self, rows: list[_Row], num_past: int, num_new: int, num_slots: int) -> torch.Tensor:
@@ -270,7 +291,9 @@ def _as_index(rows: list[int], device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-def _copy_rows(target, target_rows, target_slots: slice, source, source_rows, source_slots: slice) -> None:
+def _copy_rows(
+    target, target_rows, target_slots: slice, source, source_rows, source_slots: slice
+) -> None:
     """``target[target_rows, :, target_slots] = source[source_rows, :, source_slots]`` without temporaries where possible."""
     if isinstance(target_rows, slice) and isinstance(source_rows, slice):
         target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
@@ -288,7 +311,11 @@ def _kv_shape(config) -> tuple[int, int]:
 
 def _max_positions(config) -> int:
     text = config.get_text_config(decoder=True)
-    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 1 << 30
+    return (
+        getattr(text, "max_position_embeddings", None)
+        or getattr(text, "n_positions", None)
+        or 1 << 30
+    )
 
 
 def _block_nbytes(cache, batch, heads, slots, head_dim, dtype) -> int:

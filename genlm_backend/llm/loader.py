@@ -26,7 +26,9 @@ def vllm_missing_error(what: str) -> BackendNotAvailableError:
 
 def hf_is_available() -> bool:
     """Whether transformers and accelerate (needed to convert ``.gguf`` files) can be imported."""
-    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
+    return all(
+        importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate")
+    )
 
 
 def available_backends() -> list[str]:
@@ -70,7 +72,9 @@ def load_tokenizer_by_name(name=None):
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
 
-def load_model_by_name(name=None, backend: str | None = None, llm_opts: dict | None = None) -> AsyncLM:
+def load_model_by_name(
+    name=None, backend: str | None = None, llm_opts: dict | None = None
+) -> AsyncLM:
     """Build an :class:`AsyncLM` for ``name``.
 
     Args:

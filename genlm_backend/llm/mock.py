@@ -43,8 +43,12 @@ class MockRunner:
     def _logits(self, request: Request) -> torch.Tensor:
         adapter = request.adapter
         if adapter is not None and self._loaded.get(adapter.name) != adapter:
-            raise ValueError(f"LoRA adapter {adapter.name!r} was removed or re-registered while this request waited")
-        digest = hashlib.blake2b(np.asarray(request.context, dtype=np.int64).tobytes(), digest_size=8)
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r} was removed or re-registered while this request waited"
+            )
+        digest = hashlib.blake2b(
+            np.asarray(request.context, dtype=np.int64).tobytes(), digest_size=8
+        )
         if adapter is not None:
             digest.update(adapter.path.encode())
         generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)

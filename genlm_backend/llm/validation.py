@@ -105,9 +105,7 @@ def as_list_of_contexts(token_ids_list) -> list:
     if isinstance(token_ids_list, str | bytes) or not isinstance(
         token_ids_list, Sequence | np.ndarray | torch.Tensor
     ):
-        raise TypeError(
-            f"expected a list of contexts, got {type(token_ids_list).__name__}"
-        )
+        raise TypeError(f"expected a list of contexts, got {type(token_ids_list).__name__}")
     contexts = list(token_ids_list)
     if not contexts:
         raise ValueError("the list of contexts is empty")

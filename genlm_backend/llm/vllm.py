@@ -74,8 +74,16 @@ class AsyncVirtualLM(AsyncLM):
         ImportError: the installed vLLM is not a supported version.
     """
 
-    def __init__(self, llm_engine, tokenizer=None, batch_size: int | None = None, timeout: float = 0.02,
-                 *, max_sessions: int | None = None, **kwargs):
+    def __init__(
+        self,
+        llm_engine,
+        tokenizer=None,
+        batch_size: int | None = None,
+        timeout: float = 0.02,
+        *,
+        max_sessions: int | None = None,
+        **kwargs,
+    ):
         if max_sessions is not None and not (isinstance(max_sessions, int) and max_sessions >= 0):
             raise ValueError(f"max_sessions must be an int >= 0, got {max_sessions!r}")
         vllm_compat.check_vllm_version()
@@ -96,11 +104,17 @@ class AsyncVirtualLM(AsyncLM):
             timeout_s=timeout,
             **kwargs,
         )
-        sessions = _default_max_sessions(batch_size, self.llm_engine) if max_sessions is None else max_sessions
+        sessions = (
+            _default_max_sessions(batch_size, self.llm_engine)
+            if max_sessions is None
+            else max_sessions
+        )
         self.runner = VLLMRunner(self.llm_engine, self.vocab_size, self.device, sessions)
 
     @classmethod
-    def from_name(cls, model_name=None, engine_opts: dict | None = None, **kwargs) -> AsyncVirtualLM:
+    def from_name(
+        cls, model_name=None, engine_opts: dict | None = None, **kwargs
+    ) -> AsyncVirtualLM:
         """Start a capture engine for a local folder, a ``.gguf`` file or an id vLLM resolves offline.
 
         Sets :data:`VLLM_ENV_DEFAULTS` in ``os.environ`` where unset, before vLLM reads them.

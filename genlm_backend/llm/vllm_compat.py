@@ -41,23 +41,36 @@ def sampling_params(capture_id: str):
 
     from genlm_backend.llm.vllm_capture import REQUEST_ID_ARG
 
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: capture_id})
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: capture_id}
+    )
 
 
 def add_plain_request(engine, request_id: str, context, lora_request) -> None:
     """A one-token request through the engine's public ``add_request``; its row is captured under its id."""
     from vllm.inputs.engine import tokens_input
 
-    engine.add_request(request_id, tokens_input(list(context)), sampling_params(request_id), lora_request=lora_request)
+    engine.add_request(
+        request_id,
+        tokens_input(list(context)),
+        sampling_params(request_id),
+        lora_request=lora_request,
+    )
 
 
-def add_session_request(engine, request_id: str, tokens, capture_id: str, resumable: bool, lora_request) -> None:
+def add_session_request(
+    engine, request_id: str, tokens, capture_id: str, resumable: bool, lora_request
+) -> None:
     """Send ``tokens`` as a new request, or as the next input of the open session ``request_id``."""
     from vllm.inputs.engine import tokens_input
 
     request = engine.input_processor.process_inputs(
-        request_id, tokens_input(list(tokens)), sampling_params(capture_id),
-        supported_tasks=engine.get_supported_tasks(), resumable=resumable, lora_request=lora_request,
+        request_id,
+        tokens_input(list(tokens)),
+        sampling_params(capture_id),
+        supported_tasks=engine.get_supported_tasks(),
+        resumable=resumable,
+        lora_request=lora_request,
     )
     # These requests bypass the output processor (rows come from the capture
     # store), so the engine core gets each with its id as given.
@@ -97,7 +110,9 @@ def underlying_model(engine):
         worker = engine.engine_core.engine_core.model_executor.driver_worker.worker
         return worker.model_runner.model
     except AttributeError as exc:
-        raise RuntimeError("the model is reachable only with the engine core in this process") from exc
+        raise RuntimeError(
+            "the model is reachable only with the engine core in this process"
+        ) from exc
 
 
 def cleanup_process_state() -> None:

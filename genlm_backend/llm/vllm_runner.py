@@ -63,7 +63,9 @@ class VLLMRunner:
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         if self._scheduler is not None and self.max_sessions > 0:
             return self._run_in_sessions(requests)
-        self._close_sessions(self._least_recent_sessions(len(self._sessions)))  # max_sessions set to 0
+        self._close_sessions(
+            self._least_recent_sessions(len(self._sessions))
+        )  # max_sessions set to 0
         return self._run_plain(requests)
 
     def run_uncached(self, request: Request) -> torch.Tensor:
@@ -97,7 +99,9 @@ class VLLMRunner:
 
     # ------------------------------------------------------------------ particle sessions
 
-    def _plan_sessions(self, requests: Sequence[Request]) -> tuple[list[tuple[str, Request, tuple[int, ...], bool]], int]:
+    def _plan_sessions(
+        self, requests: Sequence[Request]
+    ) -> tuple[list[tuple[str, Request, tuple[int, ...], bool]], int]:
         """Per request (engine request id, request, tokens to send, keep as session), and how many sessions to close."""
         # An idle session holds one of vLLM's active-request slots; one slot stays
         # free so that requests beyond the sessions can always run.
@@ -106,7 +110,11 @@ class VLLMRunner:
         for request in requests:
             parent = Request(request.adapter, request.context[:-1])
             session = self._sessions.pop(parent, None)
-            plan.append((session, request, request.context[-1:], True) if session else (None, request, request.context, False))
+            plan.append(
+                (session, request, request.context[-1:], True)
+                if session
+                else (None, request, request.context, False)
+            )
         num_open = sum(keep for *_, keep in plan)
         for i, (session, request, tokens, _) in enumerate(plan):
             if session is None:
@@ -126,7 +134,12 @@ class VLLMRunner:
             self._close_sessions(stale + self._least_recent_sessions(num_to_close))
             for (request_id, request, tokens, keep), capture_id in zip(plan, capture_ids):
                 vllm_compat.add_session_request(
-                    self.engine, request_id, tokens, capture_id, keep, self._lora_request(request.adapter)
+                    self.engine,
+                    request_id,
+                    tokens,
+                    capture_id,
+                    keep,
+                    self._lora_request(request.adapter),
                 )
                 self.num_tokens_submitted += len(tokens)
             self._run_until_done(request_ids)
@@ -155,7 +168,9 @@ class VLLMRunner:
         num_idle_steps = 0  # steps in a row that finished nothing and left nothing running
         while pending:
             if scheduler.get_num_unfinished_requests() == 0:  # idle sessions not counted
-                raise CaptureError(f"the engine has nothing left to run with {len(pending)} requests unfinished")
+                raise CaptureError(
+                    f"the engine has nothing left to run with {len(pending)} requests unfinished"
+                )
             self.engine.step()
             still_pending = [request_id for request_id in pending if busy(request_id)]
             progressed = len(still_pending) < len(pending) or scheduler.running
@@ -166,7 +181,9 @@ class VLLMRunner:
                 # KV cache the waiting requests need. Close them (none is in this batch).
                 idle = self._least_recent_sessions(len(self._sessions))
                 if not idle:
-                    raise CaptureError(f"vLLM cannot schedule {len(pending)} requests of this batch")
+                    raise CaptureError(
+                        f"vLLM cannot schedule {len(pending)} requests of this batch"
+                    )
                 self._close_sessions(idle)
                 num_idle_steps = 0
 

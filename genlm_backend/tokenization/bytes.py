@@ -32,7 +32,9 @@ def check_byte_decoder(tokenizer, byte_decoder: Mapping) -> None:
     """
     name = type(tokenizer).__name__
     if not isinstance(byte_decoder, Mapping):
-        raise ByteDecoderError(f"{name}: byte_decoder must be a mapping, got {type(byte_decoder).__name__}")
+        raise ByteDecoderError(
+            f"{name}: byte_decoder must be a mapping, got {type(byte_decoder).__name__}"
+        )
     for char, byte in byte_decoder.items():
         if not (isinstance(char, str) and len(char) == 1 and type(byte) is int and 0 <= byte < 256):
             raise ByteDecoderError(

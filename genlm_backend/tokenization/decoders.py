@@ -105,7 +105,9 @@ def decode_with_decoder(decoder: dict | None, tokens: list[str]) -> list[bytes]:
         UnsupportedDecoderError: no decoder, or a step that is not per-token.
     """
     if decoder is None:
-        raise UnsupportedDecoderError("the tokenizer has no decoder (decode joins tokens with spaces)")
+        raise UnsupportedDecoderError(
+            "the tokenizer has no decoder (decode joins tokens with spaces)"
+        )
     if decoder.get("type") == "ByteLevel":  # the common case, without the generic loop
         return list(map(byte_level_bytes, tokens))
     pieces = _apply_step(decoder, list(tokens))

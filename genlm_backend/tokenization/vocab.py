@@ -33,7 +33,12 @@ Byte2StrFallback = Literal[
     "tokenizer", "latin1", "replace", "surrogateescape", "backslashreplace", "strict"
 ]
 BYTE2STR_FALLBACKS: tuple[str, ...] = (
-    "tokenizer", "latin1", "replace", "surrogateescape", "backslashreplace", "strict"
+    "tokenizer",
+    "latin1",
+    "replace",
+    "surrogateescape",
+    "backslashreplace",
+    "strict",
 )
 # Older names, kept for callers of ``decode_vocab(..., str_fallback=...)``.
 StrFallback = Byte2StrFallback
@@ -45,7 +50,9 @@ class ByteVocabError(VocabularyDecodeError):
 
 
 def decode_vocab(
-    tokenizer, byte2str_fallback: Byte2StrFallback = "tokenizer", *,
+    tokenizer,
+    byte2str_fallback: Byte2StrFallback = "tokenizer",
+    *,
     str_fallback: Byte2StrFallback | None = None,
 ) -> tuple[list[Token], list[str]]:
     """The bytes and strings of every token of ``tokenizer``.
@@ -122,7 +129,9 @@ def get_byte_vocab(tokenizer) -> list[bytes]:
         return _sentencepiece_token_bytes(tokenizer)
     first = _token_strings(tokenizer, 1)[0] if _vocab_size(tokenizer) else None
     raise _error(
-        tokenizer, 0, first,
+        tokenizer,
+        0,
+        first,
         "its decoder is neither ByteLevel nor SentencePiece (no tokenizers backend, "
         "no byte_decoder table, no SentencePiece model)",
     )
@@ -201,7 +210,9 @@ def _byte_decoder_token_bytes(tokenizer) -> list[bytes]:
         try:
             result.append(bytes([table[char] for char in token]))
         except (KeyError, ValueError, TypeError):
-            raise _error(tokenizer, token_id, token, "a character is not in its byte_decoder") from None
+            raise _error(
+                tokenizer, token_id, token, "a character is not in its byte_decoder"
+            ) from None
     return result
 
 

@@ -65,8 +65,13 @@ class AsyncTokenCharacterTrie:
 
     @classmethod
     def from_vocab(
-        cls, vocab: Sequence, backend: str = "parallel", *, batch_size: int = 64,
-        timeout_s: float = 0.02, **trie_kwargs,
+        cls,
+        vocab: Sequence,
+        backend: str = "parallel",
+        *,
+        batch_size: int = 64,
+        timeout_s: float = 0.02,
+        **trie_kwargs,
     ) -> AsyncTokenCharacterTrie:
         """Build the trie over ``vocab`` and wrap it.
 
@@ -162,7 +167,9 @@ class AsyncTokenCharacterTrie:
             stack = torch.stack if isinstance(rows[0], torch.Tensor) else np.stack
             values = self.trie._output(self.trie._reduce(stack(rows), op))
             for i, row in zip(positions, values):
-                results[i] = row.clone() if isinstance(row, torch.Tensor) else row.copy()  # own memory, contiguous
+                results[i] = (
+                    row.clone() if isinstance(row, torch.Tensor) else row.copy()
+                )  # own memory, contiguous
         return results
 
     def start(self) -> None:

@@ -43,8 +43,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         ValueError: an unknown ``device`` or ``output``, or a CUDA device without CUDA.
     """
 
-    def __init__(self, decode: Sequence, device: str | torch.device | None = None, *,
-                 output: str = "numpy"):
+    def __init__(
+        self, decode: Sequence, device: str | torch.device | None = None, *, output: str = "numpy"
+    ):
         super().__init__(decode)
         if output not in ("numpy", "tensor"):
             raise ValueError(f"output must be 'numpy' or 'tensor', got {output!r}")
@@ -159,7 +160,9 @@ def _checked_device(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"Invalid device: {device!r}; use 'cpu', 'cuda', 'cuda:N' or None") from None
+        raise ValueError(
+            f"Invalid device: {device!r}; use 'cpu', 'cuda', 'cuda:N' or None"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Invalid device: {str(device)!r}: CUDA is not available")
     try:

@@ -100,14 +100,18 @@ def _general_words(decode: Sequence) -> TrieWords:
                 warned = True
             words.append(bytes(item).decode("latin-1"))  # byte b -> code point b
             continue
-        words.append("".join(chr(_code(letter, codes, position)) for letter in _letters(item, position)))
+        words.append(
+            "".join(chr(_code(letter, codes, position)) for letter in _letters(item, position))
+        )
     return TrieWords(words, list(codes))
 
 
 def _warn_plain_bytes() -> None:
     """The deprecation warning, attributed to the first caller outside this package's tries."""
     frame, level = sys._getframe(1), 2  # level 2: our caller
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("genlm_backend.trie"):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+        "genlm_backend.trie"
+    ):
         frame, level = frame.f_back, level + 1
     warnings.warn(PLAIN_BYTES_WARNING, DeprecationWarning, stacklevel=level)
 

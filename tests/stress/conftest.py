@@ -72,7 +72,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{_mib(row.rss_budget_bytes)} | {_mib(row.peak_cache_bytes)} | "
             f"{_mib(row.cache_budget_bytes)} | {error} | {wall} |"
         )
-    totals = [sum(getattr(r, f) for r in rows) for f in ("served", "cancelled", "failed_as_intended")]
+    totals = [
+        sum(getattr(r, f) for r in rows) for f in ("served", "cancelled", "failed_as_intended")
+    ]
     write(f"total: {totals[0]} served, {totals[1]} cancelled, {totals[2]} failed as intended")
 
 

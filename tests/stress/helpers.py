@@ -9,6 +9,7 @@ fails the test instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import random
@@ -139,10 +140,9 @@ def resting_rss_bytes() -> int:
     of a workload is a leak, not allocator fragmentation.
     """
     gc.collect()
-    try:
+    # Not glibc: the figure includes free heap pages.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the figure includes free heap pages
-        pass
     return rss_bytes()
 
 
@@ -259,7 +259,9 @@ def out_of_memory_error() -> torch.OutOfMemoryError:
 # ---------------------------------------------------------------------------- workloads
 
 
-def fresh_contexts(rng: random.Random, vocab_size: int, count: int, lengths=(4, 12)) -> list[tuple[int, ...]]:
+def fresh_contexts(
+    rng: random.Random, vocab_size: int, count: int, lengths=(4, 12)
+) -> list[tuple[int, ...]]:
     """``count`` distinct random contexts of lengths in ``lengths`` (inclusive)."""
     contexts: dict[tuple[int, ...], None] = {}
     while len(contexts) < count:
@@ -290,7 +292,7 @@ def bad_cases(vocab_size: int, max_length: int) -> dict[str, tuple[object, type,
 async def settle(tasks: Iterable[asyncio.Task]) -> list:
     """Outcomes of ``tasks`` (result, exception or ``CancelledError``), waiting at most ``WAIT_S``."""
     tasks = list(tasks)
-    done, pending = await asyncio.wait(tasks, timeout=WAIT_S) if tasks else (set(), set())
+    _, pending = await asyncio.wait(tasks, timeout=WAIT_S) if tasks else (set(), set())
     assert not pending, f"{len(pending)} requests still pending after {WAIT_S} s"
     outcomes = []
     for task in tasks:

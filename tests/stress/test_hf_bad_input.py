@@ -42,7 +42,9 @@ async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker,
     cases = bad_cases(llm.vocab_size, llm.max_context_length)
     rng = random.Random(0)
     good = fresh_contexts(rng, llm.vocab_size, 5 * len(cases))
-    calls = [("good", context) for context in good] + [(name, case[0]) for name, case in cases.items()]
+    calls = [("good", context) for context in good] + [
+        (name, case[0]) for name, case in cases.items()
+    ]
     rng.shuffle(calls)
     requests_before = llm.stats.num_requests
     outcomes = await asyncio.gather(
@@ -66,11 +68,15 @@ async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker,
 
 
 @pytest.mark.timeout(60)
-async def test_a_bad_context_rejects_its_batch_call_before_any_work(llm_and_checker, stress_figures):
+async def test_a_bad_context_rejects_its_batch_call_before_any_work(
+    llm_and_checker, stress_figures
+):
     llm, checker = llm_and_checker
     figures = stress_figures("hf tiny-llama")
     rng = random.Random(1)
-    for name, (bad, error_type, phrase) in bad_cases(llm.vocab_size, llm.max_context_length).items():
+    for name, (bad, error_type, phrase) in bad_cases(
+        llm.vocab_size, llm.max_context_length
+    ).items():
         batch = fresh_contexts(rng, llm.vocab_size, 3)
         singles = fresh_contexts(rng, llm.vocab_size, 4)
         stats_before = llm.stats

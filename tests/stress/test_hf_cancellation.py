@@ -33,7 +33,9 @@ NUM_QUEUED = 84  # calls queued behind the computing batch, per round
 CANCEL_FRACTION = 0.2
 
 
-def queued_contexts(rng: random.Random, vocab: int, computing: list, history: list) -> list[tuple[int, ...]]:
+def queued_contexts(
+    rng: random.Random, vocab: int, computing: list, history: list
+) -> list[tuple[int, ...]]:
     """Calls waiting behind the computing batch: fresh contexts, repeats, extensions of earlier ones."""
     fresh = fresh_contexts(rng, vocab, NUM_QUEUED // 2)
     calls = []
@@ -48,7 +50,9 @@ def queued_contexts(rng: random.Random, vocab: int, computing: list, history: li
     return calls
 
 
-def choose_cancellations(rng: random.Random, num_computing: int) -> tuple[set[int], set[int], set[int]]:
+def choose_cancellations(
+    rng: random.Random, num_computing: int
+) -> tuple[set[int], set[int], set[int]]:
     """Indices to cancel while computing, before queueing and while queued (20% of all calls)."""
     num_calls = num_computing + NUM_QUEUED
     chosen = rng.sample(range(num_calls), round(CANCEL_FRACTION * num_calls))
@@ -73,7 +77,9 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
     for i in cancel_before:
         queued_tasks[i].cancel()  # before its first step: it never reaches the queue
     await asyncio.sleep(0)  # every other task makes its first step and queues
-    cancelled = [computing_tasks[i] for i in cancel_computing] + [queued_tasks[i] for i in cancel_queued]
+    cancelled = [computing_tasks[i] for i in cancel_computing] + [
+        queued_tasks[i] for i in cancel_queued
+    ]
     for task in cancelled:
         task.cancel()
     await asyncio.wait(cancelled)

@@ -77,7 +77,9 @@ async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entr
     assert llm.faults.num_forwards == len(llm.batches) == 4
     failed_batches = [set(llm.batches[n][0]) for n in errors]
     for context, outcome in zip(contexts, outcomes):
-        error = next((errors[n] for n, batch in zip(errors, failed_batches) if context in batch), None)
+        error = next(
+            (errors[n] for n, batch in zip(errors, failed_batches) if context in batch), None
+        )
         if error is None:
             checker.add(context, outcome)
             assert Request(None, context) in llm.output_cache
@@ -90,7 +92,9 @@ async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entr
     assert kv_after.num_entries - kv_before.num_entries == 16
     assert llm.batcher_stats.num_failed_batches == 2
 
-    for context, row in zip(contexts, await asyncio.gather(*map(llm.next_token_logprobs, contexts))):
+    for context, row in zip(
+        contexts, await asyncio.gather(*map(llm.next_token_logprobs, contexts))
+    ):
         checker.add(context, row)  # the failed ones are recomputed, the others served from cache
     checker.flush()
     figures.served = checker.num_checked
@@ -104,9 +108,11 @@ async def test_random_faults_under_particle_load(faulty_llm, stress_figures):
     rng = random.Random(3)
     contexts = fresh_contexts(rng, llm.vocab_size, 40)
     failed_forwards = set(rng.sample(range(60), 8))
-    llm.faults.plan({n: out_of_memory_error() if n % 2 else RuntimeError(f"fault {n}") for n in failed_forwards})
+    llm.faults.plan(
+        {n: out_of_memory_error() if n % 2 else RuntimeError(f"fault {n}") for n in failed_forwards}
+    )
     calls = []
-    for step in range(6):  # particles extend, branch and copy each other
+    for _ in range(6):  # particles extend, branch and copy each other
         calls = [rng.choice(contexts) + (rng.randrange(llm.vocab_size),) for _ in range(60)]
         outcomes = await settle([asyncio.create_task(llm.next_token_logprobs(c)) for c in calls])
         failed = llm.contexts_of_failed_forwards(failed_forwards)

@@ -58,7 +58,9 @@ def test_several_asyncio_runs_share_one_backend(llm_parts, stress_figures):
 
 
 @pytest.mark.timeout(60)
-async def test_sync_calls_inside_a_running_loop_while_async_calls_are_pending(llm_parts, stress_figures):
+async def test_sync_calls_inside_a_running_loop_while_async_calls_are_pending(
+    llm_parts, stress_figures
+):
     llm, _, checker = llm_parts
     figures = stress_figures("hf tiny-llama")
     rng = random.Random(1)
@@ -86,7 +88,7 @@ def test_a_run_ended_while_its_batch_computes_leaves_the_backend_usable(llm_part
     async def interrupted_run(gate: ForwardGate) -> None:
         gate.hold_next()
         for context in contexts:
-            asyncio.create_task(llm.next_token_logprobs(context))
+            asyncio.create_task(llm.next_token_logprobs(context))  # noqa: RUF006 (abandoned on purpose)
         await gate.wait_entered()
         # Returning now, as an interrupted cell does: asyncio.run cancels every task left.
 
@@ -104,10 +106,13 @@ def test_a_run_ended_while_its_batch_computes_leaves_the_backend_usable(llm_part
 
 @pytest.mark.timeout(60)
 async def test_aclose_fails_computing_and_queued_requests_at_once(llm_parts, stress_figures):
-    llm, model, checker = llm_parts
+    llm, model, _ = llm_parts
     figures = stress_figures("hf tiny-llama")
     rng = random.Random(3)
-    computing, queued = fresh_contexts(rng, llm.vocab_size, 8), fresh_contexts(rng, llm.vocab_size, 30)
+    computing, queued = (
+        fresh_contexts(rng, llm.vocab_size, 8),
+        fresh_contexts(rng, llm.vocab_size, 30),
+    )
     with ForwardGate(model, wait_s=HOLD_S) as gate:
         gate.hold_next()
         tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in computing]
@@ -154,7 +159,10 @@ def test_aclose_in_a_later_run_and_use_in_the_next(llm_parts, stress_figures):
     figures.served = checker.num_checked
 
     async def close_with_requests_queued() -> list:
-        tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in fresh_contexts(rng, llm.vocab_size, 10)]
+        tasks = [
+            asyncio.create_task(llm.next_token_logprobs(c))
+            for c in fresh_contexts(rng, llm.vocab_size, 10)
+        ]
         await asyncio.sleep(0)
         await llm.aclose()
         return await settle(tasks)
@@ -169,11 +177,16 @@ def test_aclose_in_a_later_run_and_use_in_the_next(llm_parts, stress_figures):
 
 
 @pytest.mark.timeout(60)
-async def test_reset_async_queries_fails_pending_requests_and_keeps_serving(llm_parts, stress_figures):
+async def test_reset_async_queries_fails_pending_requests_and_keeps_serving(
+    llm_parts, stress_figures
+):
     llm, model, checker = llm_parts
     figures = stress_figures("hf tiny-llama")
     rng = random.Random(5)
-    computing, queued = fresh_contexts(rng, llm.vocab_size, 8), fresh_contexts(rng, llm.vocab_size, 12)
+    computing, queued = (
+        fresh_contexts(rng, llm.vocab_size, 8),
+        fresh_contexts(rng, llm.vocab_size, 12),
+    )
     with ForwardGate(model, wait_s=HOLD_S) as gate:
         gate.hold_next()
         tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in computing + queued]

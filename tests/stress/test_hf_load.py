@@ -20,7 +20,13 @@ import time
 import pytest
 
 from genlm_backend.llm.hf import AsyncTransformer
-from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, live_tensor_bytes, resting_rss_bytes
+from tests.stress.helpers import (
+    MIB,
+    PeakSampler,
+    ReferenceChecker,
+    live_tensor_bytes,
+    resting_rss_bytes,
+)
 
 pytestmark = pytest.mark.stress
 
@@ -48,7 +54,10 @@ class Particles:
         self.checker = checker
         self.rng = random.Random(seed)
         vocab = llm.vocab_size
-        prompts = [tuple(self.rng.randrange(vocab) for _ in range(self.rng.randint(3, 8))) for _ in range(5)]
+        prompts = [
+            tuple(self.rng.randrange(vocab) for _ in range(self.rng.randint(3, 8)))
+            for _ in range(5)
+        ]
         self.contexts = [self.rng.choice(prompts) for _ in range(NUM_PARTICLES)]
 
     def _move(self, i: int) -> tuple[int, ...]:
@@ -58,7 +67,9 @@ class Particles:
             context = self.contexts[rng.randrange(NUM_PARTICLES)]
         elif kind < 0.3:  # a branch off an earlier prefix
             context = context[: rng.randint(1, len(context))]
-        extension = tuple(rng.randrange(self.llm.vocab_size) for _ in range(rng.choice((1, 1, 1, 2, 3))))
+        extension = tuple(
+            rng.randrange(self.llm.vocab_size) for _ in range(rng.choice((1, 1, 1, 2, 3)))
+        )
         self.contexts[i] = context + extension
         return self.contexts[i]
 
@@ -75,12 +86,17 @@ RSS_BUDGET_BYTES = KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES + WORKING_ALLOWANCE_BYT
 
 
 @pytest.mark.timeout(110)
-async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(llama_copy, stress_figures):
+async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
+    llama_copy, stress_figures
+):
     model, reference_model, tokenizer = llama_copy
     figures = stress_figures("hf tiny-llama")
     llm = AsyncTransformer(
-        model, tokenizer, batch_size=BATCH_SIZE,
-        kv_cache_bytes=KV_BUDGET_BYTES, output_cache_bytes=OUTPUT_BUDGET_BYTES,
+        model,
+        tokenizer,
+        batch_size=BATCH_SIZE,
+        kv_cache_bytes=KV_BUDGET_BYTES,
+        output_cache_bytes=OUTPUT_BUDGET_BYTES,
     )
     checker = ReferenceChecker(reference_model, llm.vocab_size, chunk=CHECK_CHUNK)
     checker.add([1, 2, 3], await llm.next_token_logprobs([1, 2, 3]))  # warm-up

@@ -14,7 +14,13 @@ import random
 import pytest
 
 from genlm_backend.llm.hf import AsyncTransformer
-from tests.stress.helpers import MIB, PeakSampler, ReferenceChecker, fresh_contexts, resting_rss_bytes
+from tests.stress.helpers import (
+    MIB,
+    PeakSampler,
+    ReferenceChecker,
+    fresh_contexts,
+    resting_rss_bytes,
+)
 
 pytestmark = pytest.mark.stress
 
@@ -31,7 +37,9 @@ def test_a_batch_of_long_prompts_keeps_logits_of_last_tokens_only(llama_copy, st
     llm = AsyncTransformer(model, tokenizer, batch_size=NUM_CONTEXTS, output_cache_bytes=0)
     llm.next_token_logprobs_sync([1, 2, 3])  # warm-up
     rng = random.Random(0)
-    contexts = fresh_contexts(rng, llm.vocab_size, NUM_CONTEXTS, lengths=(CONTEXT_LENGTH, CONTEXT_LENGTH))
+    contexts = fresh_contexts(
+        rng, llm.vocab_size, NUM_CONTEXTS, lengths=(CONTEXT_LENGTH, CONTEXT_LENGTH)
+    )
     start = resting_rss_bytes()  # freed memory of earlier tests handed back first
     with PeakSampler() as rss:
         rows = llm.batch_next_token_logprobs_sync(contexts)

@@ -56,7 +56,9 @@ async def test_two_thousand_particle_calls_match_the_sequential_trie(tries, stre
     # Warm-up (not counted): batches of every operation, so the trie's lazily built index
     # tensors exist before the baseline.
     for op in OPS:
-        await asyncio.gather(*(getattr(async_trie, f"weight_{op}")(torch.ones(len(vocab))) for _ in range(64)))
+        await asyncio.gather(
+            *(getattr(async_trie, f"weight_{op}")(torch.ones(len(vocab))) for _ in range(64))
+        )
     baseline = live_tensor_bytes()
     start = time.perf_counter()
     start_rss = resting_rss_bytes()
@@ -68,7 +70,9 @@ async def test_two_thousand_particle_calls_match_the_sequential_trie(tries, stre
     stats = async_trie.batcher_stats
     assert stats.num_pending == stats.num_inflight == 0 and stats.mean_batch_size > 10
     last.clear()
-    for _ in range(2):  # the loop drops its last finished futures (and their results) on its next passes
+    for _ in range(
+        2
+    ):  # the loop drops its last finished futures (and their results) on its next passes
         await asyncio.sleep(0)
     assert live_tensor_bytes() - baseline < 1 << 20  # nothing of the run is left alive
     figures.peak_rss_growth_bytes = rss.peak - start_rss

