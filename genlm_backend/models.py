@@ -60,7 +60,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **options)
     # The GGUF weights are already dequantized into plain Linear layers; drop the
     # quantization marker so transformers saves them as ordinary safetensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # a plain attribute, not a submodule
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     staging = target.with_name(target.name + ".partial")

@@ -202,16 +202,22 @@ class KVPrefixTree:
     def _evict(self, entry: KVEntry, prune: bool = True) -> None:
         del self._lru[id(entry)]
         self._num_evictions += 1
-        node, entry.node = entry.node, None
-        node.entry = None
+        node = entry.node
+        assert node is not None, "an entry in the LRU order is in the tree"
+        entry.node = node.entry = None
         block = entry.block
         block.num_live_entries -= 1
         if block.num_live_entries == 0:
             del self._blocks[id(block)]
             self._bytes_held -= block.nbytes
-        while prune and node.parent is not None and not node.children and node.entry is None:
-            del node.parent.children[node.token]
-            node = node.parent
+        while (
+            prune
+            and (parent := node.parent) is not None
+            and not node.children
+            and node.entry is None
+        ):
+            del parent.children[node.token]
+            node = parent
 
     def commit(
         self,

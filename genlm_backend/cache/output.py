@@ -19,7 +19,7 @@ class OutputCacheStats:
     num_misses: int
     num_evictions: int
     bytes_held: int
-    budget_bytes: int
+    budget_bytes: float
 
 
 class OutputCache:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import threading
+from typing import TYPE_CHECKING
 
-from genlm_backend.llm.runner import Adapter
+from genlm_backend.llm.runner import Adapter, Request
+
+if TYPE_CHECKING:
+    from genlm_backend.cache.output import OutputCache
+    from genlm_backend.llm.runner import Runner
 
 
 class AdapterRegistry:
@@ -79,6 +85,14 @@ class AdapterMethods:
     """The LoRA methods of :class:`~genlm_backend.llm.base.AsyncLM` (``adapters``, ``runner``,
     ``output_cache`` and the compute lock are the AsyncLM's)."""
 
+    if TYPE_CHECKING:  # provided by AsyncLM
+        adapters: AdapterRegistry
+        runner: Runner
+        output_cache: OutputCache
+        _compute_lock: threading.Lock
+
+        def _check_open(self) -> None: ...
+
     def add_new_lora(self, lora_path, lora_name: str = "lora_1") -> None:
         """Load a LoRA adapter from ``lora_path`` as ``lora_name``; select it per call with ``lora_name=``.
 
@@ -109,7 +123,9 @@ class AdapterMethods:
             self._drop_adapter(adapter)
 
     def _drop_adapter(self, adapter) -> None:
-        self.output_cache.discard_if(lambda request: request.adapter == adapter)
+        self.output_cache.discard_if(
+            lambda request: isinstance(request, Request) and request.adapter == adapter
+        )
         self.runner.unload_adapter(adapter)
 
     def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:

@@ -87,6 +87,9 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
     """
 
+    runner: Runner
+    """What computes batches (set by the constructor, or by a subclass after it)."""
+
     def __init__(
         self,
         tokenizer,
@@ -113,13 +116,14 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
             str_vocab = [b.decode("utf-8", errors="replace") for b in byte_vocab]
         self.byte_vocab = list(byte_vocab)
         self.str_vocab = list(str_vocab)
-        self.runner = runner
+        if runner is not None:
+            self.runner = runner
         self.max_context_length = max_context_length
         self.device = torch.device(device)
         self.output_cache = OutputCache(output_cache_bytes)
         self.adapters = AdapterRegistry()
         self._compute_lock = threading.Lock()
-        self._batchers: LoopBatchers[Request, torch.Tensor] = LoopBatchers(
+        self._batchers: LoopBatchers[Request, torch.Tensor | ValueError] = LoopBatchers(
             self._process_batch,
             self.batching,
             request_tokens=_context_tokens,
@@ -217,9 +221,9 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         ]
 
     async def _submit(self, request: Request) -> torch.Tensor:
-        row = self._cached(request)
-        if row is not None:
-            return row
+        cached = self._cached(request)
+        if cached is not None:
+            return cached
         try:
             row = await self._batchers.current().submit(request)
         except Exception as exc:
@@ -265,9 +269,8 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         self, token_ids: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
-        validate_token_ids(
-            token_ids, self.vocab_size, self.max_context_length
-        )  # errors name token_ids
+        # Validated here first, so errors name token_ids (not token_ids_list[0]).
+        validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
         return self.batch_next_token_logprobs_sync([token_ids], lora_name)[0]
 
     def batch_next_token_logprobs_sync(
@@ -277,15 +280,15 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
         rows: dict[Request, torch.Tensor] = {}
         for request in requests:
-            row = self._cached(request)
-            if row is not None:
-                rows[request] = row
+            cached = self._cached(request)
+            if cached is not None:
+                rows[request] = cached
         missing = [request for request in dict.fromkeys(requests) if request not in rows]
         for chunk in self.batching.split(missing, _context_tokens):
-            rows.update(zip(chunk, self._process_batch(chunk)))
-        for row in rows.values():
-            if isinstance(row, ValueError):
-                raise row
+            for request, row in zip(chunk, self._process_batch(chunk)):
+                if isinstance(row, ValueError):
+                    raise row
+                rows[request] = row
         return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
 
     def next_token_logprobs_uncached(
@@ -314,6 +317,7 @@ def _context_tokens(request: Request) -> int:
 
 
 def _replaced_adapter_error(request: Request) -> ValueError:
+    name = request.adapter.name if request.adapter is not None else None  # the base model stays
     return ValueError(
-        f"LoRA adapter {request.adapter.name!r} was removed or re-registered while this request waited"
+        f"LoRA adapter {name!r} was removed or re-registered while this request waited"
     )

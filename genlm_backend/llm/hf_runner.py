@@ -164,12 +164,15 @@ class HFRunner:
             else None
         )
         if block is not None:
-            num_past = rows[0].entry.start + rows[0].reused  # the slot every new token goes to
+            first = rows[0].entry
+            assert first is not None  # an extendable block is some row's entry's
+            num_past = first.start + rows[0].reused  # the slot every new token goes to
             cache = self._cache_over(block, num_past)
         else:
             num_past = max(row.reused for row in rows)
             cache = self._cache_with_pasts(rows, num_past, num_new)
-            block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])
+            # Dynamic layers: keys and values exist once the cache was filled.
+            block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])  # type: ignore[union-attr,misc]
         input_ids, position_ids = self._inputs(rows, num_past, num_new)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
         with (
@@ -274,9 +277,11 @@ def _group_copies(rows: list[_Row], device) -> dict:
     groups: dict[tuple, tuple[list[int], list[int]]] = {}
     for i, row in enumerate(rows):
         if row.reused:
-            key = (row.entry.block, row.entry.start, row.reused)
+            entry = row.entry
+            assert entry is not None  # reused tokens come from an entry
+            key = (entry.block, entry.start, row.reused)
             sources, targets = groups.setdefault(key, ([], []))
-            sources.append(row.entry.row)
+            sources.append(entry.row)
             targets.append(i)
     return {
         key: (_as_index(sources, device), _as_index(targets, device))

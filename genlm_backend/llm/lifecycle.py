@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from genlm_backend.batching import LoopBatchers
+    from genlm_backend.cache.output import OutputCache
+    from genlm_backend.llm.runner import Runner
 
 
 class LifecycleMethods:
@@ -12,6 +18,13 @@ class LifecycleMethods:
     Uses the ``AsyncLM`` attributes ``_compute_lock``, ``_batchers``,
     ``_is_closed``, ``output_cache`` and ``runner``.
     """
+
+    if TYPE_CHECKING:  # provided by AsyncLM
+        runner: Runner
+        output_cache: OutputCache
+        _compute_lock: threading.Lock
+        _batchers: LoopBatchers
+        _is_closed: bool
 
     def clear_cache(self) -> None:
         """Drop every cached result and reusable prefix; later results are recomputed."""
@@ -58,8 +71,9 @@ class LifecycleMethods:
         self._batchers.shutdown()
         with self._compute_lock:
             self.output_cache.clear()
-            if self.runner is not None:
-                self.runner.close()
+            runner = getattr(self, "runner", None)  # None if construction failed before it
+            if runner is not None:
+                runner.close()
 
     def cleanup(self) -> None:
         """Same as :meth:`close`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ from genlm_backend.llm.validation import (
     validate_contexts,
     validate_token_ids,
 )
+
+if TYPE_CHECKING:
+    from genlm_backend.llm.adapters import AdapterRegistry
 
 
 def sample_token(logits: torch.Tensor, generator: torch.Generator) -> int:
@@ -76,6 +80,16 @@ async def sample_continuation(
 
 class SamplingMethods:
     """``sample`` and ``batch_sample`` of :class:`~genlm_backend.llm.base.AsyncLM`, built on ``next_token_logprobs``."""
+
+    if TYPE_CHECKING:  # provided by AsyncLM
+        adapters: AdapterRegistry
+
+        @property
+        def vocab_size(self) -> int: ...
+
+        async def next_token_logprobs(
+            self, token_ids: TokenIds, lora_name: str | None = None
+        ) -> torch.Tensor: ...
 
     async def sample(
         self,

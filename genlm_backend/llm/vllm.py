@@ -74,6 +74,8 @@ class AsyncVirtualLM(AsyncLM):
         ImportError: the installed vLLM is not a supported version.
     """
 
+    runner: VLLMRunner
+
     def __init__(
         self,
         llm_engine,

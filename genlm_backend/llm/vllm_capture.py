@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate
@@ -150,6 +151,7 @@ def install_capture(vllm_config) -> str:
         )
     if not isinstance(vllm_config.additional_config, dict):
         raise ValueError("additional_config must be a dict to carry the capture store id")
+    processor: type
     if vllm_config.use_v2_model_runner:
         if V2LogitsProcessor is None:  # pragma: no cover - older vLLM
             raise ValueError("this vLLM has no Model Runner V2 logits-processor interface")
@@ -248,11 +250,13 @@ if V2LogitsProcessor is not None:
             return logits
 
 else:  # pragma: no cover - older vLLM
-    CaptureLogitsProcessorV2 = None
+    CaptureLogitsProcessorV2 = None  # type: ignore[misc,assignment]
 
 
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker class; called through ``collective_rpc`` by name."""
+
+    vllm_config: Any  # the worker's
 
     def genlm_take_logprobs(self, request_ids: list[str]) -> torch.Tensor | None:
         """The captured rows ``[len(request_ids), V]``, from the one worker that answers.

@@ -106,7 +106,7 @@ class VLLMRunner:
         # An idle session holds one of vLLM's active-request slots; one slot stays
         # free so that requests beyond the sessions can always run.
         num_slots = max(0, min(self.max_sessions, self._scheduler.max_num_active_reqs - 1))
-        plan = []
+        plan: list[tuple[str | None, Request, tuple[int, ...], bool]] = []
         for request in requests:
             parent = Request(request.adapter, request.context[:-1])
             session = self._sessions.pop(parent, None)
@@ -116,13 +116,15 @@ class VLLMRunner:
                 else (None, request, request.context, False)
             )
         num_open = sum(keep for *_, keep in plan)
-        for i, (session, request, tokens, _) in enumerate(plan):
+        named = []
+        for session, request, tokens, keep in plan:
             if session is None:
                 keep = num_open < num_slots
                 num_open += keep
                 prefix = "genlm-session" if keep else "genlm"
-                plan[i] = (f"{prefix}-{next(self._request_numbers)}", request, tokens, keep)
-        return plan, len(self._sessions) + num_open - num_slots
+                session = f"{prefix}-{next(self._request_numbers)}"
+            named.append((session, request, tokens, keep))
+        return named, len(self._sessions) + num_open - num_slots
 
     def _run_in_sessions(self, requests: Sequence[Request]) -> torch.Tensor:
         """One row per request: a one-token step of an open session, a new session, or a plain request."""

@@ -85,6 +85,7 @@ class AsyncTokenCharacterTrie:
             ValueError: an unknown ``backend``.
             TypeError: ``trie_kwargs`` the chosen trie does not take.
         """
+        trie: TokenCharacterTrie
         if backend == "parallel":
             trie = ParallelTokenCharacterTrie(vocab, **trie_kwargs)
         elif backend == "sequential":

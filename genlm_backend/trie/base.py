@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -174,18 +175,21 @@ class TokenCharacterTrie:
         """:meth:`weight_logsumexp` of each row: ``[B, V]`` -> float64 ``[B, num_nodes]``."""
         return self._reduce(self._check(ws_batch, batched=True), "logsumexp")
 
-    def _check(self, ws, *, batched: bool) -> np.ndarray:
+    # The hooks below work on float64 numpy arrays here and on tensors in the
+    # parallel trie, hence ``Any``.
+
+    def _check(self, ws, *, batched: bool) -> Any:
         return weights_to_numpy(ws, self.layout.num_tokens, batched=batched)
 
-    def _output(self, result: np.ndarray) -> np.ndarray:
+    def _output(self, result: Any) -> Any:
         """Results leave as computed (the parallel trie may convert them)."""
         return result
 
-    def _preprocess_ws(self, ws) -> np.ndarray:
+    def _preprocess_ws(self, ws) -> Any:
         """``ws`` (``[V]`` or ``[B, V]``, any array-like) validated as float64 numpy."""
         return self._check(ws, batched=np.ndim(ws) == 2)
 
-    def _reduce(self, ws: np.ndarray, op: str) -> np.ndarray:
+    def _reduce(self, ws: Any, op: str) -> Any:
         # ws: [B, V] float64. rows: [num_rows, B], so every gather moves whole rows.
         combine = _NUMPY_OPS[op]
         rows = np.empty((self.layout.num_rows, ws.shape[0]))

@@ -92,7 +92,7 @@ def build_layout(vocab: Sequence[bytes] | Sequence[str]) -> TrieLayout:
         np.fromiter(map(len, prefixes), np.int64, num_internal), np.arange(len(prefixes[-1]) + 2)
     )
     num_rows, levels, node_rows = _plan_reduction(parent, num_internal, len(vocab), depth_starts)
-    return TrieLayout(vocab, prefixes, parent, num_rows, levels, node_rows)
+    return TrieLayout(list(vocab), prefixes, parent, num_rows, levels, node_rows)
 
 
 def _plan_reduction(parent, num_internal, num_tokens, depth_starts):

@@ -20,6 +20,7 @@ forms slice, hash and sort, which is all the layout needs.
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,10 @@ class TrieWords:
 
     def letter(self, code: int):
         """The letter a code stands for (an ``int`` byte, or a non-byte letter)."""
-        return code if code < 256 else self.letters[code - 256]
+        if code < 256:
+            return code
+        assert self.letters is not None, "codes above 255 exist only with letters"
+        return self.letters[code - 256]
 
     def decode_word(self, word) -> bytes | tuple:
         """A word as callers see it: ``bytes``, or a tuple of letters when it has a non-byte one."""
@@ -108,7 +112,8 @@ def _general_words(decode: Sequence) -> TrieWords:
 
 def _warn_plain_bytes() -> None:
     """The deprecation warning, attributed to the first caller outside this package's tries."""
-    frame, level = sys._getframe(1), 2  # level 2: our caller
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # our caller
     while frame is not None and frame.f_globals.get("__name__", "").startswith(
         "genlm_backend.trie"
     ):
