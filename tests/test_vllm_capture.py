@@ -20,8 +20,8 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from genlm_backend.errors import CaptureError
-from genlm_backend.llm import vllm_capture
-from genlm_backend.llm.vllm_capture import (
+from genlm_backend.llm.vllm_compat import capture as vllm_capture
+from genlm_backend.llm.vllm_compat.capture import (
     REQUEST_ID_ARG,
     STORE_ID_ARG,
     CaptureLogitsProcessor,

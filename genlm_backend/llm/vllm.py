@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from genlm_backend.llm import vllm_compat
 from genlm_backend.llm.base import AsyncLM
+from genlm_backend.llm.vllm_compat import build_capture_engine
 from genlm_backend.llm.vllm_runner import VLLMRunner
 
 VLLM_ENV_DEFAULTS: Mapping[str, str] = {
@@ -23,25 +24,6 @@ VLLM_ENV_DEFAULTS: Mapping[str, str] = {
 """Environment defaults :meth:`AsyncVirtualLM.from_name` sets when they are unset."""
 
 DEFAULT_ENGINE_OPTS: Mapping[str, object] = {"enable_prefix_caching": True}
-
-
-def build_capture_engine(engine_args):
-    """A ``vllm.v1.engine.llm_engine.LLMEngine`` whose sampler captures log-probabilities.
-
-    Args:
-        engine_args: A ``vllm.EngineArgs``.
-
-    Raises:
-        ValueError: options the capture path cannot serve (see
-            :func:`~genlm_backend.llm.vllm_capture.install_capture`).
-    """
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from genlm_backend.llm.vllm_capture import install_capture
-
-    vllm_config = engine_args.create_engine_config()
-    install_capture(vllm_config)
-    return LLMEngine.from_vllm_config(vllm_config, disable_log_stats=True)
 
 
 class AsyncVirtualLM(AsyncLM):

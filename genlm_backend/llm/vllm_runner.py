@@ -4,7 +4,7 @@ The data path of one batch (in the AsyncLM worker thread)::
 
     requests -> one engine request each (max_tokens=1, capture id in extra_args,
                 the request's LoRARequest) -> LLMEngine.step() until all finish
-        -> the capture processor files log_softmax rows by capture id (vllm_capture)
+        -> the capture processor files log_softmax rows by capture id (vllm_compat.capture)
         -> collective_rpc: take the rows -> [B, V] float32 -> trimmed to the vocabulary
 
 Particle sessions. A finished request leaves only whole KV blocks in vLLM's
@@ -32,7 +32,7 @@ from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab
 
 
 class VLLMRunner:
-    """Turns batches of requests into rows of a capture engine (see :func:`~genlm_backend.llm.vllm.build_capture_engine`).
+    """Turns batches of requests into rows of a capture engine (see :func:`~genlm_backend.llm.vllm_compat.build_capture_engine`).
 
     Args:
         engine: A ``vllm.v1.engine.llm_engine.LLMEngine`` built for capture.

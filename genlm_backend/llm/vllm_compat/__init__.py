@@ -1,11 +1,13 @@
-"""Every use of vLLM's internals by the vLLM runner (besides the capture processor), checked at construction.
+"""Every use of vLLM's internals, checked against the installed version at construction.
 
-Particle sessions drive the in-process engine core directly: its scheduler
+Here: building the engine (``LLMEngine.from_vllm_config`` after the capture
+processor is installed in its config), and the particle sessions, which drive
+the in-process engine core directly: its scheduler
 (``engine_core.engine_core.scheduler``), streaming-input requests
 (``resumable=True``, ``RequestStatus.WAITING_FOR_STREAMING_REQ``) and
-``EngineCoreRequest.external_req_id``. The capture processor
-(:mod:`~genlm_backend.llm.vllm_capture`) uses vLLM's logits-processor
-interfaces. These are known to work with the versions in
+``EngineCoreRequest.external_req_id``. In :mod:`.capture`, the half that runs
+inside vLLM's worker: the logits processors (both of vLLM's interfaces) and
+the worker extension. These are known to work with the versions in
 :data:`SUPPORTED_VLLM`; :func:`check_vllm_version` raises a clear error elsewhere.
 """
 
@@ -35,11 +37,30 @@ def check_vllm_version(version: str | None = None) -> None:
         )
 
 
+def build_capture_engine(engine_args):
+    """A ``vllm.v1.engine.llm_engine.LLMEngine`` whose sampler captures log-probabilities.
+
+    Args:
+        engine_args: A ``vllm.EngineArgs``.
+
+    Raises:
+        ValueError: options the capture path cannot serve (see
+            :func:`~genlm_backend.llm.vllm_compat.capture.install_capture`).
+    """
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from genlm_backend.llm.vllm_compat.capture import install_capture
+
+    vllm_config = engine_args.create_engine_config()
+    install_capture(vllm_config)
+    return LLMEngine.from_vllm_config(vllm_config, disable_log_stats=True)
+
+
 def sampling_params(capture_id: str):
     """One greedy token whose log-probability row is captured under ``capture_id``."""
     from vllm import SamplingParams
 
-    from genlm_backend.llm.vllm_capture import REQUEST_ID_ARG
+    from genlm_backend.llm.vllm_compat.capture import REQUEST_ID_ARG
 
     return SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: capture_id}
@@ -119,7 +140,7 @@ def cleanup_process_state() -> None:
     """Tear down vLLM's process-wide distributed state once no capture engine is left."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from genlm_backend.llm.vllm_capture import num_live_stores
+    from genlm_backend.llm.vllm_compat.capture import num_live_stores
 
     if num_live_stores() == 0:
         cleanup_dist_env_and_memory()
