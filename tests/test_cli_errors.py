@@ -93,7 +93,7 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, short_context_mock)
 @pytest.mark.slow
 def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
     """A real Ctrl-C (SIGINT) while the demo samples, sent once its progress bar shows."""
-    process = subprocess.Popen(
+    with subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -110,18 +110,18 @@ def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
         stderr=subprocess.PIPE,
         cwd=ROOT,
         env={**os.environ, "TQDM_MININTERVAL": "0"},
-    )
-    seen = b""
-    while b"characters written" not in seen:
-        chunk = process.stderr.read1(4096)
-        assert chunk, f"the demo ended before sampling: {seen.decode(errors='replace')}"
-        seen += chunk
-    process.send_signal(signal.SIGINT)
-    rest = process.stderr.read()
-    assert process.wait(timeout=120) == 130
-    lines = [line for line in rest.decode().replace("\r", "\n").splitlines() if line.strip()]
-    tail = [line for line in lines if "characters written" not in line]
-    assert tail == ["genlm-backend demo: interrupted"]
+    ) as process:
+        seen = b""
+        while b"characters written" not in seen:
+            chunk = process.stderr.read1(4096)
+            assert chunk, f"the demo ended before sampling: {seen.decode(errors='replace')}"
+            seen += chunk
+        process.send_signal(signal.SIGINT)
+        rest = process.stderr.read()
+        assert process.wait(timeout=120) == 130
+        lines = [line for line in rest.decode().replace("\r", "\n").splitlines() if line.strip()]
+        tail = [line for line in lines if "characters written" not in line]
+        assert tail == ["genlm-backend demo: interrupted"]
 
 
 @pytest.mark.slow
