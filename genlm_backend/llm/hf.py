@@ -40,6 +40,8 @@ class AsyncTransformer(AsyncLM):
         ImportError: the installed transformers is not a supported version.
     """
 
+    runner: HFRunner
+
     def __init__(
         self,
         hf_model,
