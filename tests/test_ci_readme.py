@@ -98,7 +98,7 @@ def test_a_readme_ci_cannot_run_verbatim_is_an_error(markdown, message):
 def test_every_ci_step_is_a_script_that_exists():
     steps = re.findall(r"^step\s+(\S+)\s+(\S+)", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
     names = [name for name, _ in steps]
-    assert {"readme_commands", "vllm", "docs"} <= set(names)
+    assert {"lint", "readme_commands", "vllm", "clients", "docs"} <= set(names)
     assert len(names) == len(set(names))
     for _, script in steps:
         assert (ROOT / script).is_file(), script
