@@ -12,7 +12,7 @@
 # CLIENTS_BACKEND=upstream runs the same suites on upstream genlm-backend 0.3.1
 # (no alias, no known departures): the baseline that the departures are measured against.
 #
-# Environment: CLIENTS_VENV (default /tmp/clients-venv), CLIENTS_WORK (default
+# Environment: CLIENTS_VENV (default: a fresh one, removed at exit), CLIENTS_WORK (default
 # /tmp/clients-work), CLIENTS_SUITES (default "control bytes llamppl upstream"),
 # CLIENTS_BACKEND (ours | upstream), CLIENTS_PYTEST_WORKERS (pytest-xdist workers,
 # default 2), CLIENTS_TEST_TIMEOUT_S (per test, default 300).
@@ -21,7 +21,12 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 start=$(date +%s)
 backend="${CLIENTS_BACKEND:-ours}"
-venv="${CLIENTS_VENV:-/tmp/clients-venv}"
+if [ -n "${CLIENTS_VENV:-}" ]; then
+    venv="$CLIENTS_VENV"  # kept between runs (development)
+else
+    venv="$(mktemp -d)/venv"  # fresh each run, as on a new machine
+    trap 'rm -rf "$(dirname "$venv")"' EXIT
+fi
 work="${CLIENTS_WORK:-/tmp/clients-work}"
 suites="${CLIENTS_SUITES-control bytes llamppl upstream}"
 python="$venv/bin/python"
