@@ -317,7 +317,8 @@ def _context_tokens(request: Request) -> int:
 
 
 def _replaced_adapter_error(request: Request) -> ValueError:
-    name = request.adapter.name if request.adapter is not None else None  # the base model stays
+    # adapter None is the base model, which is never replaced; named for completeness
+    name = request.adapter.name if request.adapter is not None else None
     return ValueError(
         f"LoRA adapter {name!r} was removed or re-registered while this request waited"
     )
