@@ -2,7 +2,8 @@
 
 The runner relies on transformers details beyond its documented API:
 ``StaticCache`` layer attributes (adopting tensors the runner allocated),
-the attention-function registry and ``config._attn_implementation``. They are
+the attention-function registry, ``config._attn_implementation``, and the
+config attribute names that give a decoder's shape and length. They are
 known to work with the versions in :data:`SUPPORTED_TRANSFORMERS`;
 :func:`check_transformers_version` raises a clear error elsewhere.
 """
@@ -146,3 +147,28 @@ def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> N
     layer.keys, layer.values = keys, values
     layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
     layer.is_initialized = True
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """``(key/value heads, head dimension)`` of a decoder, from its config's attribute names."""
+    text = config.get_text_config(decoder=True)
+    num_heads = getattr(text, "num_attention_heads", None) or text.n_head
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_kv_heads, head_dim
+
+
+def max_positions(config) -> int:
+    """Longest sequence the model's positions cover (``1 << 30`` when the config names none)."""
+    text = config.get_text_config(decoder=True)
+    return (
+        getattr(text, "max_position_embeddings", None)
+        or getattr(text, "n_positions", None)
+        or 1 << 30
+    )
+
+
+def cache_nbytes(cache, batch, heads, slots, head_dim, dtype) -> int:
+    """Bytes of a cache's keys and values: ``[batch, heads, slots, head_dim]`` twice per layer."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(cache.layers) * batch * heads * slots * head_dim * element

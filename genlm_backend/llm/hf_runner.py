@@ -30,9 +30,12 @@ from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
 from genlm_backend.llm.hf_adapters import PeftAdapters
 from genlm_backend.llm.hf_compat import (
     adopt,
+    cache_nbytes,
     check_transformers_version,
     grouped_kv_attention,
     head_sees_only,
+    kv_shape,
+    max_positions,
 )
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
 
@@ -73,7 +76,7 @@ class HFRunner:
         self.kv_tree = kv_tree
         self.vocab_size = vocab_size
         self.num_tokens_computed = 0
-        self._max_positions = _max_positions(model.config)
+        self._max_positions = max_positions(model.config)
 
     @property
     def model(self):
@@ -203,10 +206,10 @@ class HFRunner:
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
         cache = StaticCache(config=config, max_cache_len=num_slots)
-        num_kv_heads, head_dim = _kv_shape(config)
+        num_kv_heads, head_dim = kv_shape(config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
-            _block_nbytes(cache, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
+            cache_nbytes(cache, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
             pinned=[row.entry for row in rows if row.entry is not None],
         )
         copies = _group_copies(rows, self.device)
@@ -304,25 +307,3 @@ def _copy_rows(
         target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
     else:
         target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
-
-
-def _kv_shape(config) -> tuple[int, int]:
-    text = config.get_text_config(decoder=True)
-    num_heads = getattr(text, "num_attention_heads", None) or text.n_head
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return num_kv_heads, head_dim
-
-
-def _max_positions(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return (
-        getattr(text, "max_position_embeddings", None)
-        or getattr(text, "n_positions", None)
-        or 1 << 30
-    )
-
-
-def _block_nbytes(cache, batch, heads, slots, head_dim, dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(cache.layers) * batch * heads * slots * head_dim * element
