@@ -57,9 +57,8 @@ class PeftAdapters:
             self.model = self.model.unload()  # the base model, LoRA layers removed
             return
         if self.model.active_adapter == peft_name(adapter):
-            self.model.set_adapter(
-                peft_name(next(iter(self._loaded.values())))
-            )  # peft keeps one active
+            # peft keeps one adapter active: switch to another before deleting this one.
+            self.model.set_adapter(peft_name(next(iter(self._loaded.values()))))
         self.model.delete_adapter(peft_name(adapter))
 
     @contextmanager

@@ -250,9 +250,8 @@ class HFRunner:
             new = row.context[row.reused :]
             input_ids[i, : len(new)] = torch.tensor(new)
             positions = torch.arange(row.reused, row.reused + num_new)
-            position_ids[i] = positions.clamp_(
-                max=self._max_positions - 1
-            )  # padding stays in range
+            # Padding positions stay in the model's range.
+            position_ids[i] = positions.clamp_(max=self._max_positions - 1)
         return input_ids.to(self.device), position_ids.to(self.device)
 
     def _mask(self, rows: list[_Row], num_past: int, num_new: int, num_slots: int) -> torch.Tensor:

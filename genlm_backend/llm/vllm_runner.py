@@ -63,9 +63,8 @@ class VLLMRunner:
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         if self._scheduler is not None and self.max_sessions > 0:
             return self._run_in_sessions(requests)
-        self._close_sessions(
-            self._least_recent_sessions(len(self._sessions))
-        )  # max_sessions set to 0
+        # max_sessions was set to 0: close any open sessions.
+        self._close_sessions(self._least_recent_sessions(len(self._sessions)))
         return self._run_plain(requests)
 
     def run_uncached(self, request: Request) -> torch.Tensor:

@@ -168,9 +168,8 @@ class AsyncTokenCharacterTrie:
             stack = torch.stack if isinstance(rows[0], torch.Tensor) else np.stack
             values = self.trie._output(self.trie._reduce(stack(rows), op))
             for i, row in zip(positions, values):
-                results[i] = (
-                    row.clone() if isinstance(row, torch.Tensor) else row.copy()
-                )  # own memory, contiguous
+                # Each caller's row gets its own contiguous memory.
+                results[i] = row.clone() if isinstance(row, torch.Tensor) else row.copy()
         return results
 
     def start(self) -> None:
