@@ -125,7 +125,7 @@ def test_reserve_keeps_pinned_entries_and_reports_when_it_cannot_fit():
 def test_insert_rejects_an_entry_of_the_wrong_length():
     tree = KVPrefixTree(1 << 20)
     block = make_block([[1, 2]], [0], 2)
-    with pytest.raises(ValueError, match="2 slots for a context of 3"):
+    with pytest.raises(ValueError, match="holds 2 tokens for a context of 3"):
         tree.insert([1, 2, 3], KVEntry(block, 0, 0, 2))
 
 

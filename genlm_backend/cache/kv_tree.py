@@ -1,64 +1,30 @@
 """A prefix tree of reusable keys/values, within a byte budget. Calls no model.
 
-Keys and values live in :class:`KVBlock`\\ s: one block per model batch, the
-per-layer tensors ``[B, H, T, D]`` the forward pass wrote. A cached context
-is a :class:`KVEntry`: a row of a block and the slot range ``[start, start +
-length)`` holding that context's keys/values. Because attention keys/values
-of a prefix do not depend on what follows it, an entry also serves every
-prefix of its context: a request whose context extends, or branches off, a
-cached one reuses the shared part, and inserting an entry retires the
-entries of its prefixes (their keys/values are a slice of the new one).
+Keys and values live in :class:`~genlm_backend.cache.kv_block.KVBlock`\\ s,
+one per model batch; a cached context is a
+:class:`~genlm_backend.cache.kv_block.KVEntry`, which may continue a parent
+entry (a shared prompt is then held once). Because attention keys/values of
+a prefix do not depend on what follows it, an entry also serves every prefix
+of its context: a request whose context extends, or branches off, a cached
+one reuses the shared part, and inserting an entry retires the entries of
+its prefixes that nothing depends on (the new entry serves them).
 
 Memory: a block is freed when its last entry is evicted. ``bytes_held`` is
 the size of the live blocks, kept at or under ``budget_bytes`` by evicting
-least recently used entries (see :meth:`KVPrefixTree.reserve`).
+least recently used entries (see :meth:`KVPrefixTree.reserve`); evicting an
+entry evicts its dependents first, and reading an entry marks its ancestors
+used, so the least recently used entry is nearly always a leaf.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
+from genlm_backend.cache.kv_block import KVBlock, KVEntry
 
-
-class KVBlock:
-    """Per-layer key/value tensors of one batch, shared by the entries of its rows.
-
-    Args:
-        layers: ``[(keys, values), ...]`` per layer, each ``[B, H, T, D]``.
-    """
-
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.layers = layers
-        self.nbytes = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers
-        )
-        self.num_live_entries = 0
-        num_rows = layers[0][0].shape[0] if layers else 0
-        self.row_ends: list[int] = [0] * num_rows
-        """Per row, the end of its written slots: slots past it are free to write."""
-
-    @property
-    def num_slots(self) -> int:
-        return self.layers[0][0].shape[2]
-
-    def keys_values(self, layer: int, row: int, start: int, length: int):
-        """Keys and values ``[H, length, D]`` of ``row``'s slots ``[start, start + length)``."""
-        keys, values = self.layers[layer]
-        return keys[row, :, start : start + length], values[row, :, start : start + length]
-
-
-@dataclass(eq=False)
-class KVEntry:
-    """Keys/values of one cached context: ``block``'s ``row``, slots ``[start, start + length)``."""
-
-    block: KVBlock
-    row: int
-    start: int
-    length: int
-    node: _Node | None = field(default=None, repr=False)
+__all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree"]
 
 
 class _Node:
@@ -80,14 +46,17 @@ class KVCacheStats:
     num_evictions: int
     bytes_held: int
     budget_bytes: int
+    bytes_shared: int = 0
+    """Bytes of entries that other entries continue (a shared prompt), held once."""
 
 
 class KVPrefixTree:
     """Longest-prefix lookup of cached keys/values, LRU-evicted within ``budget_bytes``.
 
     Contexts live under a namespace (e.g. the active LoRA adapter): keys and
-    values computed under one are never served under another. Not
-    thread-safe: the backend calls it with its compute lock held.
+    values computed under one are never served under another (an entry's
+    parent is always of its own namespace). Not thread-safe: the backend
+    calls it with its compute lock held, except :meth:`cached_length`.
 
     Raises:
         ValueError: negative budget.
@@ -115,6 +84,7 @@ class KVPrefixTree:
             num_evictions=self._num_evictions,
             bytes_held=self._bytes_held,
             budget_bytes=self.budget_bytes,
+            bytes_shared=sum(e.nbytes for e in self._lru.values() if e.dependents),
         )
 
     def longest_prefix(
@@ -124,8 +94,9 @@ class KVPrefixTree:
 
         The entry's own context may be shorter (a prefix of ``context``) or
         longer (``context`` or a branch of it shares its first tokens); either
-        way its first ``n`` slots hold the keys/values of ``context[:n]``.
-        Returns ``(None, 0)`` when nothing is shared. Marks the entry used.
+        way ``entry.pieces(n)`` locates the keys/values of ``context[:n]``.
+        Returns ``(None, 0)`` when nothing is shared. Marks the entry and its
+        ancestors used.
         """
         node = self._roots.get(namespace)
         if node is None:
@@ -141,8 +112,24 @@ class KVPrefixTree:
         if depth > best_depth:
             best, best_depth = self._any_entry_below(node), depth
         if best is not None:
-            self._lru.move_to_end(id(best))
+            self._touch(best)
         return best, best_depth
+
+    def cached_length(self, context: Sequence[int], namespace: Hashable = None) -> int:
+        """How many leading tokens of ``context`` have cached keys/values; marks nothing used.
+
+        Safe to call from another thread while the tree changes (a walk of
+        dictionary lookups): the answer may then be stale, which suits its
+        use, an estimate of a request's cost before it is batched.
+        """
+        node = self._roots.get(namespace)
+        depth = 0
+        for token in context:
+            if node is None:
+                break
+            node = node.children.get(token)
+            depth += node is not None
+        return depth
 
     @staticmethod
     def _any_entry_below(node: _Node) -> KVEntry:
@@ -151,44 +138,86 @@ class KVPrefixTree:
             node = next(iter(node.children.values()))
         return node.entry
 
+    def _touch(self, entry: KVEntry) -> None:
+        # Ancestors after the entry: a parent is never less recently used than its dependents.
+        self._lru.move_to_end(id(entry))
+        for ancestor in entry.ancestors():
+            self._lru.move_to_end(id(ancestor))
+
     def reserve(self, nbytes: int, pinned: Iterable[KVEntry] = ()) -> bool:
         """Evict least recently used entries until ``nbytes`` more fit in the budget.
 
-        Entries in ``pinned`` (being read right now) are kept. Returns whether
-        ``nbytes`` now fit.
+        Entries in ``pinned`` (being read right now) and their ancestors are
+        kept. Returns whether ``nbytes`` now fit.
         """
-        pinned_ids = {id(entry) for entry in pinned}
+        pinned_ids = set()
+        for entry in pinned:
+            pinned_ids.add(id(entry))
+            pinned_ids.update(id(ancestor) for ancestor in entry.ancestors())
         for entry_id in list(self._lru):
             if self._bytes_held + nbytes <= self.budget_bytes:
                 break
-            if entry_id not in pinned_ids:
-                self._evict(self._lru[entry_id])
+            candidate = self._lru.get(entry_id)  # None: evicted with an ancestor already
+            if (
+                candidate is not None
+                and entry_id not in pinned_ids
+                and not self._any_pinned_below(candidate, pinned_ids)
+            ):
+                self._evict(candidate)
         return self._bytes_held + nbytes <= self.budget_bytes
+
+    @staticmethod
+    def _any_pinned_below(entry: KVEntry, pinned_ids: set[int]) -> bool:
+        stack = list(entry.dependents)
+        while stack:
+            dependent = stack.pop()
+            if id(dependent) in pinned_ids:
+                return True
+            stack.extend(dependent.dependents)
+        return False
 
     def insert(self, context: Sequence[int], entry: KVEntry, namespace: Hashable = None) -> None:
         """Cache ``entry`` as the keys/values of ``context``.
 
-        Entries of prefixes of ``context`` are evicted: the new entry serves
-        them too, so in a growing SMC particle only the newest block stays.
+        Entries of prefixes of ``context`` that no entry depends on are
+        evicted: the new entry serves them too, so in a growing SMC particle
+        only the newest block stays. If an entry of ``context`` itself is
+        cached and depended on, it stays and ``entry`` is dropped.
 
         The entry's block starts counting against the budget with its first
         entry; call :meth:`reserve` first to make room.
 
         Raises:
-            ValueError: ``entry.length != len(context)``.
+            ValueError: ``entry`` does not hold ``len(context)`` tokens, or
+                its parent is not cached under ``namespace``.
         """
-        if entry.length != len(context):
-            raise ValueError(f"entry holds {entry.length} slots for a context of {len(context)}")
+        if entry.context_length != len(context):
+            raise ValueError(
+                f"entry holds {entry.context_length} tokens for a context of {len(context)}"
+            )
+        parent = entry.parent
+        if parent is not None and (
+            parent.node is None
+            or self._lru.get(id(parent)) is not parent
+            or self._namespace_of(parent) != namespace
+        ):
+            raise ValueError("an entry's parent must be cached, under the same namespace")
         node = self._roots.setdefault(namespace, _Node(None, namespace))
+        if parent is not None:
+            parent.dependents.add(entry)  # before the walk: the parent is on it and must stay
         for token in context:
-            if node.entry is not None:
-                # The new entry's first slots cover this ancestor's context: drop the copy.
+            if node.entry is not None and not node.entry.dependents:
+                # The new entry covers this ancestor's context: drop the copy.
                 self._evict(node.entry, prune=False)
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(node, token)
             node = child
         if node.entry is not None:
+            if node.entry.dependents:
+                if parent is not None:
+                    parent.dependents.discard(entry)
+                return
             self._evict(node.entry, prune=False)
         block_id = id(entry.block)
         if block_id not in self._blocks:
@@ -198,12 +227,25 @@ class KVPrefixTree:
         entry.node = node
         node.entry = entry
         self._lru[id(entry)] = entry
+        self._touch(entry)
+
+    @staticmethod
+    def _namespace_of(entry: KVEntry) -> Hashable:
+        node = entry.node
+        assert isinstance(node, _Node)
+        while node.parent is not None:
+            node = node.parent
+        return node.token  # a root's token is its namespace
 
     def _evict(self, entry: KVEntry, prune: bool = True) -> None:
+        for dependent in list(entry.dependents):
+            self._evict(dependent, prune)
         del self._lru[id(entry)]
         self._num_evictions += 1
+        if entry.parent is not None:
+            entry.parent.dependents.discard(entry)
         node = entry.node
-        assert node is not None, "an entry in the LRU order is in the tree"
+        assert isinstance(node, _Node), "an entry in the LRU order is in the tree"
         entry.node = node.entry = None
         block = entry.block
         block.num_live_entries -= 1
@@ -222,20 +264,28 @@ class KVPrefixTree:
     def commit(
         self,
         block: KVBlock,
-        placements: Sequence[tuple[Sequence[int], int, int]],
+        placements: Sequence[tuple[Sequence[int], int, int] | Placement],
         namespace: Hashable = None,
     ) -> bool:
-        """Keep a computed block: each ``(context, row, start)`` becomes an entry over ``row``'s slots from ``start``.
+        """Keep a computed block: each placement becomes an entry over its row's slots.
 
-        A new block is first made room for (see :meth:`reserve`); if it does
-        not fit, nothing is kept and ``False`` is returned. Records where each
-        row's written slots end, which :meth:`extendable_block` relies on.
+        A placement is a :class:`Placement` or ``(context, row, start)`` (no
+        parent). A new block is first made room for (see :meth:`reserve`); if
+        it does not fit, nothing is kept and ``False`` is returned. Records
+        where each row's written slots end, which :meth:`extendable_block`
+        relies on.
         """
-        if block.num_live_entries == 0 and not self.reserve(block.nbytes):
+        kept = [p if isinstance(p, Placement) else Placement(*p) for p in placements]
+        pinned = [p.parent for p in kept if p.parent is not None]
+        if block.num_live_entries == 0 and not self.reserve(block.nbytes, pinned):
             return False
-        for context, row, start in placements:
-            block.row_ends[row] = start + len(context)
-            self.insert(context, KVEntry(block, row, start, len(context)), namespace)
+        for p in kept:
+            if p.parent is not None and self._lru.get(id(p.parent)) is not p.parent:
+                continue  # its parent was evicted meanwhile: this row is not kept
+            length = len(p.context) - p.offset
+            block.row_ends[p.row] = p.start + length
+            entry = KVEntry(block, p.row, p.start, length, p.offset, p.parent)
+            self.insert(p.context, entry, namespace)
         return True
 
     @staticmethod
@@ -243,24 +293,24 @@ class KVPrefixTree:
         """The block a batch of one-token steps may write into in place, or ``None``.
 
         ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-        row ``i`` extends, by one token, the whole context held by row ``i`` of
-        one block; those contexts all end at the same slot, which is their
-        row's last written slot (so the slot written now belongs to no other
-        entry), and a free slot is left. That is the SMC step without
-        resampling; anything else is copied into a new block.
+        row ``i`` extends, by one token, the whole context of an entry held
+        by row ``i`` of one block; those entries' spans all end at the same
+        slot, which is their row's last written slot (so the slot written now
+        belongs to no other entry), and a free slot is left. That is the SMC
+        step without resampling; anything else is copied into a new block.
         """
         first = steps[0][0] if steps else None
         if first is None:
             return None
         block, end = first.block, first.start + first.length
-        if len(block.row_ends) != len(steps) or end >= block.num_slots:
+        if block.num_rows != len(steps) or end >= block.num_slots:
             return None
         for i, (entry, reused) in enumerate(steps):
             if (
                 entry is None
                 or entry.block is not block
                 or entry.row != i
-                or reused != entry.length
+                or reused != entry.context_length
                 or entry.start + entry.length != end
                 or block.row_ends[i] != end
             ):
@@ -280,7 +330,8 @@ class KVPrefixTree:
                 doomed.append(node.entry)
             stack.extend(node.children.values())
         for entry in doomed:
-            self._evict(entry, prune=False)
+            if self._lru.get(id(entry)) is entry:
+                self._evict(entry, prune=False)
         return len(doomed)
 
     def evict_to_budget(self) -> None:
@@ -290,6 +341,9 @@ class KVPrefixTree:
 
     def clear(self) -> None:
         """Drop every entry and block."""
+        for entry in self._lru.values():
+            entry.node = None
+            entry.dependents.clear()
         self._roots.clear()
         self._lru.clear()
         self._blocks.clear()
@@ -297,3 +351,18 @@ class KVPrefixTree:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where :meth:`KVPrefixTree.commit` finds a context's keys/values in a block.
+
+    ``context[offset:]`` is ``row``'s slots from ``start``; ``context[:offset]``
+    is ``parent``'s (``None`` when ``offset`` is 0).
+    """
+
+    context: Sequence[int]
+    row: int
+    start: int
+    offset: int = 0
+    parent: KVEntry | None = None

@@ -126,7 +126,7 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         self._batchers: LoopBatchers[Request, torch.Tensor | ValueError] = LoopBatchers(
             self._process_batch,
             self.batching,
-            request_tokens=_context_tokens,
+            request_tokens=self._request_tokens,
             thread_name="genlm-model",
         )
         self._is_closed = False
@@ -284,7 +284,7 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
             if cached is not None:
                 rows[request] = cached
         missing = [request for request in dict.fromkeys(requests) if request not in rows]
-        for chunk in self.batching.split(missing, _context_tokens):
+        for chunk in self.batching.split(missing, self._request_tokens):
             for request, row in zip(chunk, self._process_batch(chunk)):
                 if isinstance(row, ValueError):
                     raise row
@@ -303,17 +303,17 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         with self._compute_lock:
             return self.runner.run_uncached(request).to(self.device)
 
+    def _request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: the runner's estimate, else its context length."""
+        estimate = getattr(self.runner, "request_tokens", None)
+        return estimate(request) if estimate is not None else len(request.context)
+
     def cache_kv(self, prompt_tokens: TokenIds, lora_name: str | None = None) -> None:
         """Run ``prompt_tokens`` now, so later requests extending it start from its keys/values.
 
         Optional: every evaluated context is cached anyway.
         """
         self.next_token_logprobs_sync(prompt_tokens, lora_name)
-
-
-def _context_tokens(request: Request) -> int:
-    """A request's cost against the batch token budget: its context length."""
-    return len(request.context)
 
 
 def _replaced_adapter_error(request: Request) -> ValueError:

@@ -6,7 +6,7 @@ import torch
 
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM
-from genlm_backend.llm.hf_compat import max_positions
+from genlm_backend.llm.hf_compat import attention_window, max_positions
 from genlm_backend.llm.hf_runner import HFRunner
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB: ~90k tokens of SmolLM2-135M keys/values in fp32
@@ -54,7 +54,9 @@ class AsyncTransformer(AsyncLM):
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         **kwargs,
     ):
-        kwargs.setdefault("max_context_length", max_positions(hf_model.config))
+        window = attention_window(hf_model.config)
+        longest = max_positions(hf_model.config)
+        kwargs.setdefault("max_context_length", longest if window is None else min(window, longest))
         super().__init__(
             hf_tokenizer,
             batch_size=batch_size,

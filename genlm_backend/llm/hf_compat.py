@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from genlm_backend.llm.hf_attention import cascade_attention
+
 SUPPORTED_TRANSFORMERS = (5, 6)
 """Major versions of transformers whose internals this module was written against: ``[5, 6)``."""
 
@@ -111,9 +113,46 @@ def _sdpa_grouped_kv(
     return output.transpose(1, 2).contiguous(), None
 
 
+def _genlm_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    genlm_levels=None,
+    **kwargs,
+):
+    """The runner's attention function: :func:`~genlm_backend.llm.hf_attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
+
+    ``genlm_levels`` reaches it as a keyword of the model's forward call,
+    which transformers hands to every attention function.
+    """
+    if not genlm_levels:
+        return _sdpa_grouped_kv(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    unsupported = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
+    if unsupported or dropout:
+        raise NotImplementedError(
+            f"shared-prefix attention cannot serve this model's attention arguments {unsupported}"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output = cascade_attention(
+        module.layer_idx, query, key, value, attention_mask, scale, genlm_levels
+    )
+    return output, None
+
+
+# ``sliding_window`` is not among them: contexts never exceed the window (see attention_window).
+_UNSUPPORTED_BY_LEVELS = ("s_aux", "sinks", "position_bias", "softcap", "cache")
+
+
 @contextmanager
 def grouped_kv_attention(model):
-    """While active, a model using transformers' ``sdpa`` attention uses :func:`_sdpa_grouped_kv` instead."""
+    """While active, a model using transformers' ``sdpa`` attention uses the runner's function (:func:`_genlm_attention`)."""
     config = model.config.get_text_config(decoder=True)
     if config._attn_implementation != "sdpa":
         yield
@@ -131,8 +170,55 @@ def _register_grouped_sdpa() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(_GROUPED_SDPA, _sdpa_grouped_kv)
+    AttentionInterface.register(_GROUPED_SDPA, _genlm_attention)
     AttentionMaskInterface.register(_GROUPED_SDPA, sdpa_mask)
+
+
+def shared_levels_unsupported(model) -> str | None:
+    """Why the runner cannot read shared prefixes once for this model (``None``: it can).
+
+    The merge by log-sum-exp is exact for plain softmax attention over every
+    earlier token (sliding windows included: contexts stay within the window,
+    see :func:`attention_window`). Soft-capped scores, attention sinks and
+    attention functions other than ``sdpa`` are left to the copying path.
+    """
+    config = model.config.get_text_config(decoder=True)
+    if config._attn_implementation != "sdpa":
+        return f"attention implementation {config._attn_implementation!r} (needs 'sdpa')"
+    for name in ("attn_logit_softcapping", "final_attn_softcapping"):
+        if getattr(config, name, None):
+            return f"soft-capped attention scores ({name})"
+    if getattr(config, "sinks", None) is not None or config.model_type == "gpt_oss":
+        return "attention sinks"
+    return None
+
+
+def attention_window(config) -> int | None:
+    """The narrowest attention window of any layer (sliding or chunked), ``None`` if every layer sees all.
+
+    Within its window a sliding-window layer attends like a full one, so
+    the runner serves contexts up to this length with full-attention caches.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = [kwargs["sliding_window"] for kwargs in per_layer if kwargs.get("sliding_window")]
+    return min(windows) if windows else None
+
+
+def static_cache(config, num_slots: int):
+    """A ``StaticCache`` of ``num_slots`` slots per layer, sliding-window layers included (see :func:`attention_window`)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache = StaticCache(config=config, max_cache_len=num_slots)
+    cache.layers = [
+        StaticLayer(max_cache_len=num_slots)
+        if isinstance(layer, StaticSlidingWindowLayer)
+        else layer
+        for layer in cache.layers
+    ]
+    return cache
 
 
 def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> None:

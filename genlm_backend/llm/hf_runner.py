@@ -5,28 +5,27 @@ returns a ``[B, V]`` tensor. For each context it looks up the longest cached
 prefix in a :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, runs the model
 over the remaining tokens only, and leaves the new keys/values in the tree.
 
-Layout of one forward pass (``P`` = longest reused prefix, ``K`` = most new
-tokens, row ``i`` reuses ``r_i`` and computes ``k_i`` tokens)::
-
-    slot:   0 .......... P-r_i ...... P ........ P+k_i ...... P+K
-    row i:  [ unused    | reused past | new tokens | padding    ]
-
-The past is copied into a transformers ``StaticCache`` of length ``P + K``;
-the model writes the new keys/values into slots ``[P, P + K)`` in place, and
-the cache's tensors become the block the new entries point into. A 4-D mask
-lets each row see exactly its own past and new tokens; position ids continue
-each row's own positions.
+Cached prefixes shared by rows (a long prompt in front of every particle)
+stay where they are, held once, and the attention reads each once for all
+its rows (:mod:`~genlm_backend.llm.hf_layout` says which part of a row is
+read where, :mod:`~genlm_backend.llm.hf_attention` computes it). The rest of
+each row's past is copied into a transformers ``StaticCache``, or the step
+writes in place into the block it extends; the model writes the new
+keys/values into the cache, whose tensors become the block the new entries
+point into. A 4-D mask lets each row see exactly its own part; position ids
+continue each row's own positions. Several contexts sharing a prefix that
+is not cached yet get that prefix computed once first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
-from transformers import StaticCache
 
-from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
+from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
+from genlm_backend.llm import hf_layout as layout
 from genlm_backend.llm.hf_adapters import PeftAdapters
 from genlm_backend.llm.hf_compat import (
     adopt,
@@ -36,22 +35,11 @@ from genlm_backend.llm.hf_compat import (
     head_sees_only,
     kv_shape,
     max_positions,
+    shared_levels_unsupported,
+    static_cache,
 )
+from genlm_backend.llm.hf_layout import LevelPolicy, Row
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
-
-
-@dataclass
-class _Row:
-    """One context of a batch: reuse ``reused`` tokens of ``entry``, compute the rest."""
-
-    index: int
-    context: tuple[int, ...]
-    entry: KVEntry | None
-    reused: int
-
-    @property
-    def num_new(self) -> int:
-        return len(self.context) - self.reused
 
 
 class HFRunner:
@@ -77,6 +65,9 @@ class HFRunner:
         self.vocab_size = vocab_size
         self.num_tokens_computed = 0
         self._max_positions = max_positions(model.config)
+        self.levels_unsupported = shared_levels_unsupported(model)
+        """Why shared prefixes are copied per row for this model (``None``: they are read once)."""
+        self.level_policy = LevelPolicy(enabled=self.levels_unsupported is None)
 
     @property
     def model(self):
@@ -92,6 +83,19 @@ class HFRunner:
         return RunnerStats(
             num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held
         )
+
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: the tokens it adds to a batch's working memory.
+
+        With shared levels, that is the part of its context not cached yet (a
+        particle behind a cached prompt costs its own tokens); without them,
+        every token (each row holds its whole past). Called from the event
+        loop while a batch may run, so the cached length is an estimate.
+        """
+        if not self.level_policy.enabled:
+            return len(request.context)
+        cached = self.kv_tree.cached_length(request.context, request.adapter)
+        return max(1, len(request.context) - cached)
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         """``[len(requests), vocab_size]`` float32 log-probabilities on the model's device."""
@@ -135,6 +139,12 @@ class HFRunner:
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
         """
+        if self.level_policy.enabled:
+            for prefixes in self._shared_uncached_prefixes(contexts, namespace):
+                self._compute(prefixes, namespace)
+        return self._compute(contexts, namespace)
+
+    def _compute(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> torch.Tensor:
         rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
         out = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
         # Rows extending a cached context by one token (the SMC step) go together;
@@ -150,16 +160,47 @@ class HFRunner:
                 computed.append((group, block, num_past))
         # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
         for group, block, num_past in computed:
-            placements = [(row.context, i, num_past - row.reused) for i, row in enumerate(group)]
+            placements = [
+                Placement(row.context, i, num_past - row.num_own_past, row.split, row.parent)
+                for i, row in enumerate(group)
+            ]
             self.kv_tree.commit(block, placements, namespace)
         return out
 
-    def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> _Row:
+    def _shared_uncached_prefixes(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable
+    ) -> list[list[tuple[int, ...]]]:
+        """Prefixes that several contexts share and the tree lacks, in rounds (shorter ones first).
+
+        Computing each once before the contexts leaves it in the tree as the
+        contexts' shared level: 32 particles arriving together behind a new
+        prompt compute the prompt once, not 32 times. Sorted contexts share
+        prefixes with their neighbours, so neighbours give every branch point.
+        """
+        ordered = sorted(contexts)
+        prefixes = set()
+        for a, b in itertools.pairwise(ordered):
+            n = min(_common_prefix_length(a, b), len(a) - 1, len(b) - 1)
+            cached = self.kv_tree.cached_length(a[:n], namespace)
+            if n - cached >= self.level_policy.min_shared_tokens:
+                prefixes.add(a[:n])
+        rounds = []
+        while prefixes:
+            first = {
+                p
+                for p in prefixes
+                if not any(len(q) < len(p) and p[: len(q)] == q for q in prefixes)
+            }
+            rounds.append(sorted(first))
+            prefixes -= first
+        return rounds
+
+    def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> Row:
         entry, shared = self.kv_tree.longest_prefix(context, namespace)
         reused = min(shared, len(context) - 1)  # the last token must run to give logits
-        return _Row(index, context, entry if reused > 0 else None, reused)
+        return Row(index, context, entry if reused > 0 else None, reused)
 
-    def _forward(self, rows: list[_Row]) -> tuple[torch.Tensor, KVBlock, int]:
+    def _forward(self, rows: list[Row]) -> tuple[torch.Tensor, KVBlock, int]:
         num_new = max(row.num_new for row in rows)
         block = (
             self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows])
@@ -167,16 +208,22 @@ class HFRunner:
             else None
         )
         if block is not None:
+            layout.plan_in_place(rows)
             first = rows[0].entry
             assert first is not None  # an extendable block is some row's entry's
-            num_past = first.start + rows[0].reused  # the slot every new token goes to
+            num_past = first.start + first.length  # the slot every new token goes to
             cache = self._cache_over(block, num_past)
         else:
-            num_past = max(row.reused for row in rows)
+            layout.plan_copies(rows, self.level_policy)
+            num_past = max(row.num_own_past for row in rows)
             cache = self._cache_with_pasts(rows, num_past, num_new)
             # Dynamic layers: keys and values exist once the cache was filled.
             block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])  # type: ignore[union-attr,misc]
-        input_ids, position_ids = self._inputs(rows, num_past, num_new)
+        input_ids, position_ids = layout.inputs(rows, num_new, self._max_positions, self.device)
+        mask = layout.own_part_mask(
+            rows, num_past, num_new, block.num_slots, self.model.dtype, self.device
+        )
+        levels = layout.group_levels(rows, self.device)
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
         with (
             grouped_kv_attention(self.model),
@@ -184,11 +231,12 @@ class HFRunner:
         ):
             output = self.model(
                 input_ids=input_ids,
-                attention_mask=self._mask(rows, num_past, num_new, block.num_slots),
+                attention_mask=mask,
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=max(1, num_new),
+                **({"genlm_levels": levels} if levels else {}),
             )
         # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
         logits = (
@@ -199,70 +247,45 @@ class HFRunner:
         self.num_tokens_computed += sum(row.num_new for row in rows)
         return fit_to_vocab(logits, self.vocab_size), block, num_past
 
-    def _cache_with_pasts(self, rows: list[_Row], num_past: int, num_new: int) -> StaticCache:
-        """A StaticCache of ``num_past + num_new`` slots with each row's past right-aligned at ``num_past``."""
+    def _cache_with_pasts(self, rows: list[Row], num_past: int, num_new: int):
+        """A StaticCache of ``num_past + num_new`` slots with each row's own past right-aligned at ``num_past``."""
         config = self.model.config
         # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
-        cache = StaticCache(config=config, max_cache_len=num_slots)
+        cache = static_cache(config, num_slots)
         num_kv_heads, head_dim = kv_shape(config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
             cache_nbytes(cache, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
-            pinned=[row.entry for row in rows if row.entry is not None],
+            pinned=[entry for row in rows for entry, _ in row.levels + row.own],
         )
-        copies = _group_copies(rows, self.device)
-        unwritten = [
-            (i, num_past - row.reused) for i, row in enumerate(rows) if row.reused < num_past
+        layers = [
+            (
+                torch.empty(shape, dtype=self.model.dtype, device=self.device),
+                torch.empty(shape, dtype=self.model.dtype, device=self.device),
+            )
+            for _ in cache.layers
         ]
-        for layer_index, layer in enumerate(cache.layers):
-            # Every slot is written below or by the forward pass itself; only the
+        layout.copy_own_parts(rows, num_past, layers)
+        for layer, (keys, values) in zip(cache.layers, layers):
+            # Every slot is written above or by the forward pass itself; only the
             # left padding is zeroed (masked, but it must not hold NaN bit patterns).
-            keys = torch.empty(shape, dtype=self.model.dtype, device=self.device)
-            values = torch.empty(shape, dtype=self.model.dtype, device=self.device)
-            for (block, start, reused), (sources, targets) in copies.items():
-                block_keys, block_values = block.layers[layer_index]
-                past = slice(num_past - reused, num_past)
-                _copy_rows(keys, targets, past, block_keys, sources, slice(start, start + reused))
-                _copy_rows(
-                    values, targets, past, block_values, sources, slice(start, start + reused)
-                )
-            for i, num_padding in unwritten:
-                keys[i, :, :num_padding] = 0
-                values[i, :, :num_padding] = 0
+            for i, row in enumerate(rows):
+                if row.num_own_past < num_past:
+                    keys[i, :, : num_past - row.num_own_past] = 0
+                    values[i, :, : num_past - row.num_own_past] = 0
             keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
             values[:, :, num_past + num_new :] = 0
             adopt(layer, keys, values, num_past)
         return cache
 
-    def _cache_over(self, block: KVBlock, num_past: int) -> StaticCache:
+    def _cache_over(self, block: KVBlock, num_past: int):
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
-        cache = StaticCache(config=self.model.config, max_cache_len=block.num_slots)
+        cache = static_cache(self.model.config, block.num_slots)
         for layer, (keys, values) in zip(cache.layers, block.layers):
             adopt(layer, keys, values, num_past)
         return cache
-
-    def _inputs(self, rows: list[_Row], num_past: int, num_new: int):
-        input_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
-        position_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
-        for i, row in enumerate(rows):
-            new = row.context[row.reused :]
-            input_ids[i, : len(new)] = torch.tensor(new)
-            positions = torch.arange(row.reused, row.reused + num_new)
-            # Padding positions stay in the model's range.
-            position_ids[i] = positions.clamp_(max=self._max_positions - 1)
-        return input_ids.to(self.device), position_ids.to(self.device)
-
-    def _mask(self, rows: list[_Row], num_past: int, num_new: int, num_slots: int) -> torch.Tensor:
-        """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its past and its causal new tokens."""
-        slots = torch.arange(num_slots)
-        queries = torch.arange(num_new)[:, None] + num_past  # slot of each query
-        first = torch.tensor([num_past - row.reused for row in rows])[:, None, None]
-        visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
-        mask = torch.zeros(len(rows), 1, num_new, num_slots, dtype=self.model.dtype)
-        mask.masked_fill_(~visible[:, None], torch.finfo(self.model.dtype).min)
-        return mask.to(self.device)
 
 
 def _num_spare_slots(num_past: int) -> int:
@@ -270,39 +293,10 @@ def _num_spare_slots(num_past: int) -> int:
     return max(8, num_past // 4)
 
 
-def _group_copies(rows: list[_Row], device) -> dict:
-    """Rows whose pasts sit at the same slots of the same block, copied with one indexed copy per layer.
-
-    In an SMC step every particle extends a row of the previous batch, so
-    this is usually one group: 2 copies per layer instead of 2 per row and layer.
-    """
-    groups: dict[tuple, tuple[list[int], list[int]]] = {}
-    for i, row in enumerate(rows):
-        if row.reused:
-            entry = row.entry
-            assert entry is not None  # reused tokens come from an entry
-            key = (entry.block, entry.start, row.reused)
-            sources, targets = groups.setdefault(key, ([], []))
-            sources.append(entry.row)
-            targets.append(i)
-    return {
-        key: (_as_index(sources, device), _as_index(targets, device))
-        for key, (sources, targets) in groups.items()
-    }
-
-
-def _as_index(rows: list[int], device) -> slice | torch.Tensor:
-    """A slice for consecutive rows (a plain strided copy), else an index tensor."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
-
-
-def _copy_rows(
-    target, target_rows, target_slots: slice, source, source_rows, source_slots: slice
-) -> None:
-    """``target[target_rows, :, target_slots] = source[source_rows, :, source_slots]`` without temporaries where possible."""
-    if isinstance(target_rows, slice) and isinstance(source_rows, slice):
-        target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
-    else:
-        target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,119 @@
+"""Where cached keys/values live: per-layer blocks, and entries that chain spans of them.
+
+A :class:`KVBlock` holds the per-layer tensors ``[B, H, T, D]`` one model
+batch wrote. A :class:`KVEntry` is one cached context: its last ``length``
+tokens sit in one row of a block, and its first ``offset`` tokens are those
+of its ``parent`` entry. A long prompt is thus held once, in its own entry,
+and every particle behind it holds only its own tokens, with the prompt's
+entry as parent. Attention keys/values of a prefix do not depend on what
+follows it, so an entry serves every prefix of its context too
+(:meth:`KVEntry.pieces`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+
+class KVBlock:
+    """Per-layer key/value tensors of one batch, shared by the entries of its rows.
+
+    Args:
+        layers: ``[(keys, values), ...]`` per layer, each ``[B, H, T, D]``.
+    """
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.layers = layers
+        self.nbytes = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers
+        )
+        self.num_live_entries = 0
+        num_rows = layers[0][0].shape[0] if layers else 0
+        self.row_ends: list[int] = [0] * num_rows
+        """Per row, the end of its written slots: slots past it are free to write."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ends)
+
+    @property
+    def num_slots(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one row's keys and values at one slot, over all layers."""
+        return self.nbytes // max(1, self.num_rows * self.num_slots)
+
+    def keys_values(self, layer: int, row: int, start: int, length: int):
+        """Keys and values ``[H, length, D]`` of ``row``'s slots ``[start, start + length)``."""
+        keys, values = self.layers[layer]
+        return keys[row, :, start : start + length], values[row, :, start : start + length]
+
+
+@dataclass(eq=False)
+class KVEntry:
+    """Keys/values of one cached context of ``offset + length`` tokens.
+
+    Tokens ``[offset, offset + length)`` are ``block``'s ``row``, slots
+    ``[start, start + length)``; tokens ``[0, offset)`` are the first
+    ``offset`` tokens of ``parent`` (``None`` when ``offset`` is 0). A parent
+    stays cached while it has dependents (see
+    :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`).
+    """
+
+    block: KVBlock
+    row: int
+    start: int
+    length: int
+    offset: int = 0
+    parent: KVEntry | None = None
+    node: object = field(default=None, repr=False)
+    dependents: set[KVEntry] = field(default_factory=set, repr=False)
+    """Live entries whose ``parent`` this is."""
+
+    def __post_init__(self):
+        if (self.parent is None) != (self.offset == 0):
+            raise ValueError(
+                f"an entry with offset {self.offset} needs a parent exactly when offset > 0"
+            )
+
+    @property
+    def context_length(self) -> int:
+        return self.offset + self.length
+
+    def ancestors(self) -> Iterator[KVEntry]:
+        """The parent, its parent, and so on."""
+        entry = self.parent
+        while entry is not None:
+            yield entry
+            entry = entry.parent
+
+    def pieces(self, num_tokens: int) -> list[tuple[KVEntry, int]]:
+        """Where the keys/values of this context's first ``num_tokens`` tokens are, in order.
+
+        Returns ``[(entry, n), ...]``: each piece is the first ``n`` slots of
+        ``entry``'s own span; together they cover ``num_tokens`` tokens.
+        """
+        if not 0 <= num_tokens <= self.context_length:
+            raise ValueError(f"{num_tokens} tokens asked of an entry of {self.context_length}")
+        pieces = []
+        entry: KVEntry | None = self
+        while entry is not None and num_tokens > 0:
+            if num_tokens > entry.offset:
+                pieces.append((entry, num_tokens - entry.offset))
+                num_tokens = entry.offset
+            entry = entry.parent
+        pieces.reverse()
+        return pieces
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this entry's own span (its parent's are counted there)."""
+        return self.length * self.block.bytes_per_slot
