@@ -17,6 +17,7 @@ from genlm_backend.llm.hf import AsyncTransformer
 from genlm_backend.llm.hf_attention import Level, attention_with_lse, cascade_attention
 from genlm_backend.llm.hf_attention import _math_attention_with_lse as math_attention_with_lse
 from genlm_backend.llm.hf_layout import LevelPolicy
+from genlm_backend.llm.runner import Request
 from tests.test_hf import assert_matches_reference, random_workload
 
 EVERY_PIECE_A_LEVEL = LevelPolicy(min_shared_tokens=1, min_unshared_tokens=1)
@@ -290,3 +291,30 @@ def test_cuda_attention_with_lse_equals_the_reference(dtype, with_mask):
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(output.float().cpu(), expected, atol=tolerance, rtol=0)
     torch.testing.assert_close(lse.cpu(), expected_lse, atol=tolerance, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_runner_long_prompt_particles_match_uncached_forward(dtype):
+    from genlm_backend.cache.kv_tree import KVPrefixTree
+    from genlm_backend.llm.hf_runner import HFRunner
+    from tests.conftest import build_tiny_llama
+
+    model = build_tiny_llama(2000).to("cuda", dtype)
+    model.config._attn_implementation = "sdpa"
+    runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
+    rng = random.Random(14)
+    prompt = tuple(rng.randrange(2000) for _ in range(300))
+    runner.logprobs([prompt])
+    particles = [(*prompt, 1000 + i) for i in range(8)]
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for step in range(4):
+        rows = runner.logprobs(particles)
+        for context, row in zip(particles, rows):
+            expected = torch.log_softmax(runner.run_uncached(Request(None, context)).float(), -1)
+            torch.testing.assert_close(row, expected, atol=tolerance, rtol=0)
+        if step == 1:  # resample: rows 0-3 continue row 0, rows 4-7 continue row 5
+            particles = [particles[0]] * 4 + [particles[5]] * 4
+        particles = [(*p, rng.randrange(2000)) for p in particles]
+    assert runner.kv_tree.stats.bytes_shared > 0

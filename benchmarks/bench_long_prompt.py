@@ -1,0 +1,325 @@
+"""Particles behind a long shared prompt: the HF backend vs the N-copies loop vs the compute floor.
+
+Workload ``PxS@T``: P particles behind one T-token prompt take S steps, one
+``await next_token_logprobs`` per particle per step. Every particle's tokens
+differ from the first one on (particle i starts with its own token, then
+draws pre-seeded random tokens), so no step is deduplicated: each computes
+P distinct rows. The prompt's prefill is timed apart from the steps. Token
+ids are seeded random draws (compute does not depend on them; exactness is
+the tests' business). Each variant runs in its own process (clean peak memory):
+
+* ``ours``: ``genlm_backend.AsyncTransformer`` on default settings.
+* ``baseline``: ``ours`` as another checkout runs it (``--baseline-tree``).
+* ``ncopies``: a plain batched decode loop with a transformers ``DynamicCache``
+  whose prompt keys/values are copied into every particle's row.
+* ``floor``: what an exact answer cannot skip: the ``ncopies`` steps behind a
+  64-token prompt (the model's weights and the particles' own tokens), plus the
+  prompt's attention computed once per layer and step for all rows together
+  (grouped queries against one copy, the fused kernel that returns the
+  log-sum-exp, as the merge needs).
+
+Usage::
+
+    python benchmarks/bench_long_prompt.py                      # the four default workloads
+    python benchmarks/bench_long_prompt.py --workloads 32x16@4096 --variants floor ours
+    python benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 --random-weights CONFIG_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = ("32x16@64", "32x16@1024", "32x16@4096", "64x32@2048")
+VARIANTS = ("floor", "ncopies", "ours")
+FLOOR_PROMPT_TOKENS = 64
+
+
+def parse_workload(text: str) -> tuple[int, int, int]:
+    shape, prompt = text.split("@")
+    particles, steps = shape.split("x")
+    return int(particles), int(steps), int(prompt)
+
+
+def token_draws(vocab_size: int, particles: int, steps: int, prompt_tokens: int):
+    """The prompt and each particle's tokens: seeded, distinct from each particle's first token on."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    high = min(vocab_size, 32000)
+    prompt = torch.randint(0, high, (prompt_tokens,), generator=generator).tolist()
+    own = torch.randint(0, high, (particles, steps), generator=generator)
+    own[:, 0] = torch.arange(particles) + 100  # distinct first tokens
+    return prompt, own.tolist()
+
+
+def load_model(args):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    if args.random_weights:
+        config = AutoConfig.from_pretrained(args.random_weights)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        from genlm_backend.models import default_model_dir
+
+        path = args.model or default_model_dir()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_ours(model, args, particles, steps, prompt, own, warm_up) -> dict:
+    import asyncio
+
+    from genlm_backend.llm.hf import AsyncTransformer
+
+    vocab = [b"<%d>" % i for i in range(model.config.get_text_config().vocab_size)]
+    llm = AsyncTransformer(model, None, byte_vocab=vocab)
+
+    rows_before = 0
+
+    async def main():
+        warm_prompt, warm_own = warm_up  # other tokens: nothing of it is reused below
+        for step in range(2):
+            await llm.batch_next_token_logprobs([warm_prompt + o[: step + 1] for o in warm_own])
+        start = time.perf_counter()
+        await llm.next_token_logprobs(prompt)
+        synchronize(args.device)
+        prefilled = time.perf_counter()
+        nonlocal rows_before
+        rows_before = llm.stats.num_contexts_computed
+        for step in range(steps):
+            await asyncio.gather(
+                *(llm.next_token_logprobs(prompt + own[i][: step + 1]) for i in range(particles))
+            )
+        synchronize(args.device)
+        return start, prefilled, time.perf_counter()
+
+    start, prefilled, end = asyncio.run(main())
+    stats, kv = llm.stats, llm.kv_cache.stats
+    return {
+        "prefill_s": prefilled - start,
+        "steps_s": end - prefilled,
+        "kv_held_mb": kv.bytes_held / 2**20,
+        "kv_shared_mb": getattr(kv, "bytes_shared", 0) / 2**20,
+        "rows_per_step": (stats.num_contexts_computed - rows_before) / steps,
+        "mean_batch_size": stats.mean_batch_size,
+    }
+
+
+def ncopies_steps(model, args, particles, steps, prompt, own) -> tuple[float, float, float]:
+    """(prefill s, steps s, keys/values MB at the end) of the N-copies decode loop."""
+    import torch
+    from transformers import DynamicCache
+
+    device = args.device
+    with torch.inference_mode():
+        start = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True)
+        synchronize(device)
+        prefilled = time.perf_counter()
+        for layer in cache.layers:  # every particle's row gets its own copy of the prompt
+            layer.keys = layer.keys.repeat(particles, 1, 1, 1)
+            layer.values = layer.values.repeat(particles, 1, 1, 1)
+        tokens = torch.tensor(own, device=device)
+        for step in range(steps):
+            logits = model(tokens[:, step : step + 1], past_key_values=cache, use_cache=True).logits
+            torch.log_softmax(logits[:, -1].float(), -1)
+        synchronize(device)
+        end = time.perf_counter()
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return prefilled - start, end - prefilled, held / 2**20
+
+
+def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> float:
+    """The prompt's attention once per layer and step: every row's grouped queries against one copy."""
+    import torch
+
+    from genlm_backend.llm.hf_attention import attention_with_lse
+    from genlm_backend.llm.hf_compat import kv_shape
+
+    config = model.config.get_text_config(decoder=True)
+    num_kv_heads, head_dim = kv_shape(config)
+    num_groups = config.num_attention_heads // num_kv_heads
+    dtype, device = model.dtype, args.device
+    query = torch.randn(
+        1, num_kv_heads, particles * num_groups, head_dim, dtype=dtype, device=device
+    )
+    keys = torch.randn(1, num_kv_heads, prompt_tokens, head_dim, dtype=dtype, device=device)
+    values = torch.randn_like(keys)
+    scale = head_dim**-0.5
+    attention_with_lse(query, keys, values, None, scale)  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps * config.num_hidden_layers):
+        attention_with_lse(query, keys, values, None, scale)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def run_child(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    particles, steps, prompt_tokens = parse_workload(args.workload)
+    model = load_model(args)
+    vocab_size = model.config.get_text_config().vocab_size
+    if args.child == "floor":
+        prompt, own = token_draws(vocab_size, particles, steps, FLOOR_PROMPT_TOKENS)
+        ncopies_steps(model, args, particles, 2, prompt, own)  # warm-up
+        _, steps_at_floor, _ = ncopies_steps(model, args, particles, steps, prompt, own)
+        attention = prompt_attention_seconds(model, args, particles, steps, prompt_tokens)
+        result = {
+            "steps_s": steps_at_floor + attention,
+            "steps_at_64_s": steps_at_floor,
+            "prompt_attention_s": attention,
+        }
+    else:
+        prompt, own = token_draws(vocab_size, particles, steps, prompt_tokens)
+        # warm-up at the workload's batch size, on other tokens
+        warm_prompt, warm_own = token_draws(vocab_size, particles, 2, 16)
+        warm_prompt = [t + 1 for t in warm_prompt]
+        if args.child == "ncopies":
+            ncopies_steps(model, args, particles, 2, warm_prompt, warm_own)
+            prefill, seconds, held = ncopies_steps(model, args, particles, steps, prompt, own)
+            result = {"prefill_s": prefill, "steps_s": seconds, "kv_held_mb": held}
+            result["rows_per_step"] = particles
+        else:
+            result = run_ours(model, args, particles, steps, prompt, own, (warm_prompt, warm_own))
+    return result | {"peak_mb": peak_memory_mb(args.device)}
+
+
+def peak_memory_mb(device: str) -> float:
+    import resource
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def spawn(variant: str, workload: str, args) -> dict:
+    tree = HERE.parent
+    child = variant
+    if variant == "baseline":
+        if args.baseline_tree is None:
+            return {"error": "the baseline variant needs --baseline-tree"}
+        tree, child = args.baseline_tree.resolve(), "ours"
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        child,
+        "--workload",
+        workload,
+    ]
+    command += ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.random_weights:
+        command += ["--random-weights", str(args.random_weights.resolve())]
+    if args.model:
+        command += ["--model", args.model]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tree,
+        env=os.environ | {"PYTHONPATH": str(tree)},
+    )
+    if result.returncode != 0:
+        return {"error": result.stderr[-1500:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument(
+        "--baseline-tree", type=Path, help="checkout whose AsyncTransformer is 'baseline'"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per variant, interleaved; median kept"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", help="model folder (default: the default model)")
+    parser.add_argument(
+        "--random-weights", type=Path, help="config folder: that architecture, random weights"
+    )
+    parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+    print(
+        f"# {platform.processor() or platform.machine()}, {args.device}, {args.dtype}, {args.threads} threads"
+    )
+    print(
+        "| workload | variant | prefill (s) | steps (s) | x floor | peak MB | KV held MB | KV shared MB | rows/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for workload in args.workloads:
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+        for _ in range(args.repeats):
+            for variant in args.variants:
+                runs[variant].append(spawn(variant, workload, args))
+                print(f"{workload} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
+        medians = {v: _median(r) for v, r in runs.items()}
+        floor = medians.get("floor", {}).get("steps_s")
+        for variant, run in medians.items():
+            results.append({"workload": workload, "variant": variant} | run)
+            print(_row(workload, variant, run, floor), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _median(runs: list[dict]) -> dict:
+    good = sorted((r for r in runs if "steps_s" in r), key=lambda r: r["steps_s"])
+    if not good:
+        return runs[0]
+    return good[len(good) // 2] | {"all_steps_s": [round(r["steps_s"], 3) for r in good]}
+
+
+def _row(workload: str, variant: str, run: dict, floor: float | None) -> str:
+    if "error" in run:
+        return (
+            f"| {workload} | {variant} | error: {run['error'].splitlines()[-1][:80]} | | | | | | |"
+        )
+
+    def fmt(key, digits=2):
+        return f"{run[key]:.{digits}f}" if key in run else ""
+
+    ratio = f"{run['steps_s'] / floor:.2f}x" if floor else ""
+    return (
+        f"| {workload} | {variant} | {fmt('prefill_s')} | {fmt('steps_s')} | {ratio} | "
+        f"{fmt('peak_mb', 0)} | {fmt('kv_held_mb', 0)} | {fmt('kv_shared_mb', 0)} | {fmt('rows_per_step', 1)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
