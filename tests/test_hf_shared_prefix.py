@@ -203,7 +203,7 @@ async def test_sliding_window_models_serve_contexts_within_the_window_exactly(sm
     )
     llm = particles_llm(MistralForCausalLM(config).eval(), smollm2_tokenizer)
     assert llm.max_context_length == 160
-    await run_particles(llm, list(range(100, 200)), 4, 3, random.Random(12))
+    await run_particles(llm, list(range(100, 240)), 4, 3, random.Random(12))
     assert llm.kv_cache.stats.bytes_shared > 0
     with pytest.raises(ValueError, match="160"):
         await llm.next_token_logprobs(list(range(161)))

@@ -28,13 +28,18 @@ __all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree"]
 
 
 class _Node:
-    __slots__ = ("children", "entry", "parent", "token")
+    __slots__ = ("children", "entry", "is_attached", "parent", "token")
 
     def __init__(self, parent: _Node | None, token: Hashable):
         self.children: dict[Hashable, _Node] = {}
         self.entry: KVEntry | None = None
         self.parent = parent
         self.token = token
+        self.is_attached = True  # False once pruned from the tree
+
+
+_NUM_RECENT_CONTEXTS = 1024
+"""Inserted contexts whose nodes :meth:`KVPrefixTree._deepest_node` remembers."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class KVPrefixTree:
         self._blocks: dict[int, KVBlock] = {}  # id(block) -> live block
         self._bytes_held = 0
         self._num_evictions = 0
+        # (namespace, context) -> its node, for the latest inserted contexts: the
+        # next SMC step extends each by one token, so its lookup starts there
+        # instead of walking the whole prompt token by token.
+        self._recent: OrderedDict[tuple[Hashable, tuple], _Node] = OrderedDict()
 
     @property
     def bytes_held(self) -> int:
@@ -98,38 +107,39 @@ class KVPrefixTree:
         Returns ``(None, 0)`` when nothing is shared. Marks the entry and its
         ancestors used.
         """
-        node = self._roots.get(namespace)
+        node, depth = self._deepest_node(context, namespace)
+        if node is None or depth == 0:
+            return None, 0
+        best = self._any_entry_below(node)
+        self._touch(best)
+        return best, depth
+
+    def _deepest_node(
+        self, context: Sequence[int], namespace: Hashable
+    ) -> tuple[_Node | None, int]:
+        """The node of the longest prefix of ``context`` in the tree, and its depth."""
+        node, depth = self._roots.get(namespace), 0
         if node is None:
             return None, 0
-        best, best_depth, depth = None, 0, 0
-        for token in context:
+        if len(context) > 1:
+            hint = self._recent.get((namespace, tuple(context[:-1])))
+            if hint is not None and hint.is_attached:
+                node, depth = hint, len(context) - 1
+        for token in context[depth:]:
             child = node.children.get(token)
             if child is None:
                 break
             node, depth = child, depth + 1
-            if node.entry is not None:
-                best, best_depth = node.entry, depth
-        if depth > best_depth:
-            best, best_depth = self._any_entry_below(node), depth
-        if best is not None:
-            self._touch(best)
-        return best, best_depth
+        return node, depth
 
     def cached_length(self, context: Sequence[int], namespace: Hashable = None) -> int:
         """How many leading tokens of ``context`` have cached keys/values; marks nothing used.
 
-        Safe to call from another thread while the tree changes (a walk of
-        dictionary lookups): the answer may then be stale, which suits its
-        use, an estimate of a request's cost before it is batched.
+        Safe to call from another thread while the tree changes (dictionary
+        lookups only): the answer may then be stale, which suits its use, an
+        estimate of a request's cost before it is batched.
         """
-        node = self._roots.get(namespace)
-        depth = 0
-        for token in context:
-            if node is None:
-                break
-            node = node.children.get(token)
-            depth += node is not None
-        return depth
+        return self._deepest_node(context, namespace)[1]
 
     @staticmethod
     def _any_entry_below(node: _Node) -> KVEntry:
@@ -228,6 +238,10 @@ class KVPrefixTree:
         node.entry = entry
         self._lru[id(entry)] = entry
         self._touch(entry)
+        self._recent[namespace, tuple(context)] = node
+        self._recent.move_to_end((namespace, tuple(context)))
+        if len(self._recent) > _NUM_RECENT_CONTEXTS:
+            self._recent.popitem(last=False)
 
     @staticmethod
     def _namespace_of(entry: KVEntry) -> Hashable:
@@ -259,6 +273,7 @@ class KVPrefixTree:
             and node.entry is None
         ):
             del parent.children[node.token]
+            node.is_attached = False
             node = parent
 
     def commit(
@@ -322,6 +337,7 @@ class KVPrefixTree:
         root = self._roots.pop(namespace, None)
         if root is None:
             return 0
+        self._recent.clear()
         doomed = []
         stack = [root]
         while stack:
@@ -345,6 +361,7 @@ class KVPrefixTree:
             entry.node = None
             entry.dependents.clear()
         self._roots.clear()
+        self._recent.clear()
         self._lru.clear()
         self._blocks.clear()
         self._bytes_held = 0

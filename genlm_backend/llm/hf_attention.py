@@ -79,13 +79,15 @@ def attention_with_lse(
 
 
 def _cuda_attention_with_lse(query, key, value, mask, scale):
-    num_groups = query.shape[1] // key.shape[1]
+    num_rows, num_q_heads, num_queries, head_dim = query.shape
+    num_groups = num_q_heads // key.shape[1]
     if mask is None and query.dtype in (torch.float16, torch.bfloat16):
-        grouped = _group_queries(query, num_groups)
+        # Flash kernel: grouped heads as more queries of their key/value head, [B, Hkv, g * L, D].
+        grouped = query.reshape(num_rows, key.shape[1], num_groups * num_queries, head_dim)
         output, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             grouped, key, value, 0.0, False, False, scale=scale
         )
-        return _ungroup(output, query.shape), _ungroup(lse, query.shape[:3])
+        return output.reshape(query.shape), lse.reshape(query.shape[:3]).float()
     # Memory-efficient kernel: any float dtype and masks, but no grouped heads.
     if num_groups > 1:
         key = key.repeat_interleave(num_groups, dim=1)

@@ -41,14 +41,17 @@ class LevelPolicy:
     are copied; a piece read by several rows becomes a level from
     ``min_shared_tokens``, a piece read by one row from
     ``min_unshared_tokens`` (a long prompt behind a single request).
+    Contexts of one batch that share more than ``min_prefill_tokens``
+    uncached tokens get those computed once first.
     ``enabled=False`` copies everything: the layout for models whose
     attention cannot be split (see
     :func:`~genlm_backend.llm.hf_compat.shared_levels_unsupported`).
     """
 
     enabled: bool = True
-    min_shared_tokens: int = 32
+    min_shared_tokens: int = 128
     min_unshared_tokens: int = 512
+    min_prefill_tokens: int = 32
 
 
 @dataclass

@@ -139,13 +139,22 @@ class HFRunner:
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
         """
-        if self.level_policy.enabled:
-            for prefixes in self._shared_uncached_prefixes(contexts, namespace):
-                self._compute(prefixes, namespace)
-        return self._compute(contexts, namespace)
-
-    def _compute(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> torch.Tensor:
         rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+        if self.level_policy.enabled:
+            # Several contexts that share a prefix not cached yet: compute it once first.
+            rounds = self._shared_uncached_prefixes(
+                [row.context for row in rows if row.num_new > self.level_policy.min_prefill_tokens],
+                namespace,
+            )
+            for prefixes in rounds:
+                self._compute(
+                    [self._plan(i, p, namespace) for i, p in enumerate(prefixes)], namespace
+                )
+            if rounds:
+                rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+        return self._compute(rows, namespace)
+
+    def _compute(self, rows: list[Row], namespace: Hashable) -> torch.Tensor:
         out = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
         # Rows extending a cached context by one token (the SMC step) go together;
         # longer computations are batched apart so they do not pad the short ones.
@@ -182,7 +191,7 @@ class HFRunner:
         for a, b in itertools.pairwise(ordered):
             n = min(_common_prefix_length(a, b), len(a) - 1, len(b) - 1)
             cached = self.kv_tree.cached_length(a[:n], namespace)
-            if n - cached >= self.level_policy.min_shared_tokens:
+            if n - cached >= self.level_policy.min_prefill_tokens:
                 prefixes.add(a[:n])
         rounds = []
         while prefixes:

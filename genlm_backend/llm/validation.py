@@ -35,6 +35,8 @@ def validate_token_ids(
             f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
             "encode text with llm.tokenizer.encode(...) first"
         )
+    elif set(map(type, token_ids)) <= {int}:  # plain ints, the usual case: checked at C speed
+        ids = tuple(token_ids)
     else:
         for position, t in enumerate(token_ids):
             if not isinstance(t, _INTEGER_TYPES) or isinstance(t, bool | np.bool_):
