@@ -75,6 +75,8 @@ class KVEntry:
     offset: int = 0
     parent: KVEntry | None = None
     node: object = field(default=None, repr=False)
+    namespace: object = field(default=None, repr=False)
+    """The namespace the tree caches it under (set on insertion)."""
     dependents: set[KVEntry] = field(default_factory=set, repr=False)
     """Live entries whose ``parent`` this is."""
 

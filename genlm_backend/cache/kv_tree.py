@@ -191,7 +191,9 @@ class KVPrefixTree:
 
         Entries of prefixes of ``context`` that no entry depends on are
         evicted: the new entry serves them too, so in a growing SMC particle
-        only the newest block stays. If an entry of ``context`` itself is
+        only the newest block stays. (When ``context`` extends the latest
+        inserted contexts, only the prefixes past that one are looked at:
+        its own insertion retired those above it.) If an entry of ``context`` itself is
         cached and depended on, it stays and ``entry`` is dropped.
 
         The entry's block starts counting against the budget with its first
@@ -207,15 +209,19 @@ class KVPrefixTree:
             )
         parent = entry.parent
         if parent is not None and (
-            parent.node is None
-            or self._lru.get(id(parent)) is not parent
-            or self._namespace_of(parent) != namespace
+            self._lru.get(id(parent)) is not parent or parent.namespace != namespace
         ):
             raise ValueError("an entry's parent must be cached, under the same namespace")
         node = self._roots.setdefault(namespace, _Node(None, namespace))
         if parent is not None:
             parent.dependents.add(entry)  # before the walk: the parent is on it and must stay
-        for token in context:
+        # Start below the node of the context's last inserted prefix, whose own
+        # insertion retired the entries above it.
+        depth = 0
+        hint = self._recent.get((namespace, tuple(context[:-1]))) if len(context) > 1 else None
+        if hint is not None and hint.is_attached:
+            node, depth = hint, len(context) - 1
+        for token in context[depth:]:
             if node.entry is not None and not node.entry.dependents:
                 # The new entry covers this ancestor's context: drop the copy.
                 self._evict(node.entry, prune=False)
@@ -234,7 +240,7 @@ class KVPrefixTree:
             self._blocks[block_id] = entry.block
             self._bytes_held += entry.block.nbytes
         entry.block.num_live_entries += 1
-        entry.node = node
+        entry.node, entry.namespace = node, namespace
         node.entry = entry
         self._lru[id(entry)] = entry
         self._touch(entry)
@@ -242,14 +248,6 @@ class KVPrefixTree:
         self._recent.move_to_end((namespace, tuple(context)))
         if len(self._recent) > _NUM_RECENT_CONTEXTS:
             self._recent.popitem(last=False)
-
-    @staticmethod
-    def _namespace_of(entry: KVEntry) -> Hashable:
-        node = entry.node
-        assert isinstance(node, _Node)
-        while node.parent is not None:
-            node = node.parent
-        return node.token  # a root's token is its namespace
 
     def _evict(self, entry: KVEntry, prune: bool = True) -> None:
         for dependent in list(entry.dependents):
