@@ -151,7 +151,11 @@ def ncopies_steps(model, args, particles, steps, prompt, own) -> tuple[float, fl
 
 
 def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> float:
-    """The prompt's attention once per layer and step: every row's grouped queries against one copy."""
+    """The prompt's attention once per layer and step: every row's grouped queries against one copy.
+
+    Each layer reads its own copy of the prompt's keys/values, as in the
+    model: the prompt's keys/values stream from memory once per step.
+    """
     import torch
 
     from genlm_backend.llm.hf_attention import attention_with_lse
@@ -164,14 +168,22 @@ def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> fl
     query = torch.randn(
         1, num_kv_heads, particles * num_groups, head_dim, dtype=dtype, device=device
     )
-    keys = torch.randn(1, num_kv_heads, prompt_tokens, head_dim, dtype=dtype, device=device)
-    values = torch.randn_like(keys)
+    shape = (1, num_kv_heads, prompt_tokens, head_dim)
+    layers = [
+        (
+            torch.randn(shape, dtype=dtype, device=device),
+            torch.randn(shape, dtype=dtype, device=device),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
     scale = head_dim**-0.5
-    attention_with_lse(query, keys, values, None, scale)  # warm-up
+    for keys, values in layers:  # warm-up
+        attention_with_lse(query, keys, values, None, scale)
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(steps * config.num_hidden_layers):
-        attention_with_lse(query, keys, values, None, scale)
+    for _ in range(steps):
+        for keys, values in layers:
+            attention_with_lse(query, keys, values, None, scale)
     synchronize(device)
     return time.perf_counter() - start
 

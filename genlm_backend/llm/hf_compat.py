@@ -123,13 +123,25 @@ def _genlm_attention(
     scaling=None,
     is_causal=None,
     genlm_levels=None,
+    genlm_causal=False,
     **kwargs,
 ):
     """The runner's attention function: :func:`~genlm_backend.llm.hf_attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
 
-    ``genlm_levels`` reaches it as a keyword of the model's forward call,
-    which transformers hands to every attention function.
+    ``genlm_levels`` and ``genlm_causal`` (the mask is plain causal over
+    every key) reach it as keywords of the model's forward call, which
+    transformers hands to every attention function.
     """
+    if (
+        genlm_causal
+        and not dropout
+        and not any(kwargs.get(k) is not None for k in _UNSUPPORTED_BY_LEVELS)
+    ):
+        # the runner's mask is exactly causal over the keys: let the kernel skip the hidden half
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return output.transpose(1, 2).contiguous(), None
     if not genlm_levels:
         return _sdpa_grouped_kv(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs

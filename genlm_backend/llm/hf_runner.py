@@ -233,6 +233,14 @@ class HFRunner:
             rows, num_past, num_new, block.num_slots, self.model.dtype, self.device
         )
         levels = layout.group_levels(rows, self.device)
+        # Nothing cached, no padding: the mask is plain causal, which the fused
+        # kernels apply without reading it, skipping the hidden half (a prompt's prefill).
+        is_causal = (
+            not levels
+            and num_past == 0
+            and block.num_slots == num_new
+            and all(row.num_new == num_new for row in rows)
+        )
         last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
         with (
             grouped_kv_attention(self.model),
@@ -246,6 +254,7 @@ class HFRunner:
                 use_cache=True,
                 logits_to_keep=max(1, num_new),
                 **({"genlm_levels": levels} if levels else {}),
+                **({"genlm_causal": True} if is_causal else {}),
             )
         # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
         logits = (

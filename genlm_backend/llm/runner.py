@@ -11,7 +11,7 @@ lives once in ``AsyncLM``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,10 +34,21 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Request:
-    """One next-token request: a context, run under ``adapter`` (``None``: the base model)."""
+    """One next-token request: a context, run under ``adapter`` (``None``: the base model).
+
+    Hashed once: a request is a key of the batcher, the output cache and
+    the KV tree's lookups, and hashing a long context costs its length.
+    """
 
     adapter: Adapter | None
     context: tuple[int, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.adapter, self.context)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
