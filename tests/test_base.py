@@ -390,7 +390,7 @@ async def test_reset_async_queries_keeps_the_backend_usable(llm):
     pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
     await asyncio.sleep(0)
     await asyncio.wait_for(llm.reset_async_queries(), 10)
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     row = await asyncio.wait_for(llm.next_token_logprobs([2]), 10)  # cached
     torch.testing.assert_close(row, reference([2]), atol=TOL, rtol=0)

@@ -1,4 +1,7 @@
-"""AsyncTokenCharacterTrie: batching on the shared AutoBatcher, errors, cancellation, closing."""
+"""AsyncTokenCharacterTrie: batching on the shared AutoBatcher, errors, cancellation, closing.
+
+Results are checked against the same trie's sync path (exactly: batching must not
+change a value) and against the brute-force reference of ``test_trie.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from genlm_backend.trie import (
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,
 )
+from tests.test_trie import brute_force, token_ids_by_prefix
 
 VOCAB = make_tokens([b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"])
 
@@ -42,6 +46,23 @@ class RecordingTrie(ParallelTokenCharacterTrie):
         return super()._reduce(ws, op)
 
 
+def assert_matches_brute_force(trie: TokenCharacterTrie, op: str, ws, got) -> None:
+    """``got`` (one row over the trie's nodes) against the float64 brute-force reference:
+    each internal node reduces the tokens under its prefix, each leaf is its token's weight.
+    Tolerances as for the parallel trie in ``test_trie.py`` (float32)."""
+    ws = np.asarray(ws, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    internal = range(trie.num_internal_nodes)
+    members = token_ids_by_prefix([bytes(token) for token in VOCAB])
+    sums, maxima, logsumexps = brute_force(members, [trie.node2prefix[n] for n in internal], ws)
+    want = {"sum": sums, "max": maxima, "logsumexp": logsumexps}[op]
+    if op == "max":
+        np.testing.assert_array_equal(got[list(internal)], want.astype(np.float32))
+    else:
+        np.testing.assert_allclose(got[list(internal)], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[trie.token_id_to_leaf], ws.astype(np.float32))
+
+
 def weight_rows(num_rows: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.log_softmax(torch.randn(num_rows, len(VOCAB), generator=generator), dim=-1)
@@ -55,6 +76,7 @@ async def test_concurrent_requests_form_one_batch_with_the_sync_results():
     assert trie.batches == [("sum", 16)]
     for row, got in zip(rows, sums):
         torch.testing.assert_close(got, trie.weight_sum(row.exp()), rtol=0, atol=0)
+        assert_matches_brute_force(trie, "sum", row.exp(), got)
 
 
 async def test_mixed_operations_in_one_batch_each_get_their_own_result():
@@ -67,6 +89,7 @@ async def test_mixed_operations_in_one_batch_each_get_their_own_result():
     for call, row, got in zip(calls, rows, results):
         expected = getattr(trie, call.__name__)(row)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert_matches_brute_force(trie, call.__name__.removeprefix("weight_"), row, got)
 
 
 async def test_sequential_backend_returns_float64_numpy():
@@ -133,7 +156,7 @@ async def test_aclose_fails_pending_requests_and_later_calls():
     await asyncio.to_thread(trie.started.wait, 10)
     await async_trie.aclose()
     trie.release.set()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     with pytest.raises(BatcherClosedError, match="closed"):
         await async_trie.weight_max(weight_rows(1)[0])
@@ -153,7 +176,7 @@ def test_each_event_loop_gets_its_own_batcher():
 def test_from_vocab_rejects_unknown_backend_and_arguments():
     with pytest.raises(ValueError, match="backend"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="gpu")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'device'"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="sequential", device="cpu")
     with pytest.raises(ValueError, match="batch_size"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, batch_size=0)

@@ -50,7 +50,7 @@ async def test_start_runs_the_batcher_and_cleanup_stops_it():
 
 
 def test_start_needs_a_running_loop():
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="no running event loop"):
         AsyncTokenCharacterTrie(HeldTrie()).start()
 
 
@@ -66,7 +66,7 @@ async def test_stopping_fails_pending_requests_and_serves_the_next(stop):
     else:
         async_trie.shutdown()
     trie.release.set()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     got = await async_trie.weight_max(row(2))
     np.testing.assert_array_equal(got, trie.weight_max(row(2)))
@@ -87,7 +87,7 @@ def test_shutdown_outside_a_loop_then_a_new_loop_is_served():
 async def test_start_after_aclose_raises():
     async_trie = AsyncTokenCharacterTrie(HeldTrie())
     await async_trie.aclose()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         async_trie.start()
 
 

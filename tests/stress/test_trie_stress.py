@@ -163,9 +163,11 @@ def test_several_runs_then_aclose_with_calls_computing_and_queued(
         await asyncio.to_thread(stress_trie.entered.wait, WAIT_S)
         closing = asyncio.create_task(async_trie.aclose())
         outcomes = await settle(tasks)
-        assert not stress_trie.release.is_set()  # failed while the batch still computed
+        assert not stress_trie.returned.is_set()  # failed while the batch still computed
         stress_trie.release.set()
         await closing
+        # The held batch then runs to completion in its thread; nobody gets its values.
+        assert await asyncio.to_thread(stress_trie.returned.wait, WAIT_S)
         with pytest.raises(BatcherClosedError, match="closed"):
             await async_trie.weight_sum(calls[0])
         return outcomes
