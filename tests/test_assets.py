@@ -163,3 +163,15 @@ def test_bogus_pypi_version_raises_a_helpful_error(empty_cache, local_six_wheel)
 def test_missing_wheel_member_raises(empty_cache, local_six_wheel):
     with pytest.raises(AssetFetchError, match=r"has no file no_such_file\.py"):
         assets.fetch_pypi_file("six", "1.16.0", "no_such_file.py")
+
+
+def test_asset_lock_excludes_another_maker_until_released(tmp_path):
+    """A second process (here: another open file description) cannot take the lock
+    while an asset is being made, and can once it is made."""
+    fcntl = pytest.importorskip("fcntl", reason="the lock needs POSIX fcntl")
+    target = tmp_path / "npm" / "some_package"
+    lock_path = target.with_name("some_package.lock")
+    with assets.asset_lock(target), open(lock_path) as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock_path) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
