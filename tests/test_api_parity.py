@@ -68,8 +68,8 @@ def test_reset_async_queries_needs_no_await():
         await asyncio.sleep(0)
         llm.reset_async_queries()  # as llamppl calls it: no await
         with pytest.raises(BatcherClosedError, match="closed"):
-            await asyncio.wait_for(pending, 10)
-        return await asyncio.wait_for(llm.next_token_logprobs([2]), 10)
+            await asyncio.wait_for(pending, 60)
+        return await asyncio.wait_for(llm.next_token_logprobs([2]), 60)
 
     row = asyncio.run(main())
     expected = MockAsyncLM(byte_vocab=SMALL_VOCAB, output_cache_bytes=0).next_token_logprobs_sync(

@@ -38,7 +38,7 @@ class RecordingTrie(ParallelTokenCharacterTrie):
     def _reduce(self, ws, op):
         self.batches.append((op, ws.shape[0]))
         self.started.set()
-        if not self.release.wait(timeout=10):
+        if not self.release.wait(timeout=60):
             raise TimeoutError("the test never released the batch")
         if self.fail_next:
             self.fail_next = False
@@ -139,7 +139,7 @@ async def test_cancelling_one_caller_leaves_the_others_untouched():
     rows = weight_rows(3)
     async with AsyncTokenCharacterTrie(trie) as async_trie:
         tasks = [asyncio.create_task(async_trie.weight_sum(row)) for row in rows]
-        await asyncio.to_thread(trie.started.wait, 10)  # the batch is computing
+        await asyncio.to_thread(trie.started.wait, 60)  # the batch is computing
         tasks[1].cancel()
         trie.release.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -153,7 +153,7 @@ async def test_aclose_fails_pending_requests_and_later_calls():
     trie.release.clear()
     async_trie = AsyncTokenCharacterTrie(trie)
     pending = asyncio.create_task(async_trie.weight_sum(weight_rows(1)[0]))
-    await asyncio.to_thread(trie.started.wait, 10)
+    await asyncio.to_thread(trie.started.wait, 60)
     await async_trie.aclose()
     trie.release.set()
     with pytest.raises(BatcherClosedError, match="closed"):

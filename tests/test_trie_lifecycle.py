@@ -27,7 +27,7 @@ class HeldTrie(ParallelTokenCharacterTrie):
 
     def _reduce(self, ws, op):
         self.started.set()
-        if not self.release.wait(timeout=10):
+        if not self.release.wait(timeout=60):
             raise TimeoutError("the test never released the batch")
         return super()._reduce(ws, op)
 
@@ -60,7 +60,7 @@ async def test_stopping_fails_pending_requests_and_serves_the_next(stop):
     trie.release.clear()
     async_trie = AsyncTokenCharacterTrie(trie)
     pending = asyncio.create_task(async_trie.weight_sum(row(1)))
-    await asyncio.to_thread(trie.started.wait, 10)
+    await asyncio.to_thread(trie.started.wait, 60)
     if stop == "cleanup":
         await async_trie.cleanup()
     else:

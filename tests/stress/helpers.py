@@ -25,8 +25,9 @@ import torch
 ATOL = 1e-4
 """Absolute tolerance on log-probabilities against an uncached forward (fp32)."""
 
-WAIT_S = 30.0
-"""Longest any event wait may take before the test fails."""
+WAIT_S = 120.0
+"""Longest any event wait may take before the test fails: a guard against a hang, far
+beyond any wait of a correct build on a loaded machine (no verdict depends on it)."""
 
 MIB = 1 << 20
 

@@ -69,7 +69,6 @@ def faulty_llm(llama_copy):
         llm.close()
 
 
-@pytest.mark.timeout(60)
 async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entries(
     faulty_llm, stress_figures
 ):
@@ -108,7 +107,6 @@ async def test_failed_batches_fail_exactly_their_callers_and_leave_no_cache_entr
     assert figures.failed_as_intended == 16
 
 
-@pytest.mark.timeout(60)
 async def test_random_faults_under_particle_load(faulty_llm, stress_figures):
     llm, checker = faulty_llm
     figures = stress_figures("hf tiny-llama")
@@ -141,7 +139,6 @@ async def test_random_faults_under_particle_load(faulty_llm, stress_figures):
     assert llm.batcher_stats.num_pending == 0 and llm.batcher_stats.num_inflight == 0
 
 
-@pytest.mark.timeout(60)
 async def test_failure_in_the_second_forward_of_a_batch_leaves_only_exact_entries(
     faulty_llm, stress_figures
 ):
@@ -165,7 +162,6 @@ async def test_failure_in_the_second_forward_of_a_batch_leaves_only_exact_entrie
     figures.served = checker.num_checked
 
 
-@pytest.mark.timeout(30)
 async def test_out_of_memory_in_a_sync_call_fails_only_that_call(faulty_llm, stress_figures):
     llm, checker = faulty_llm
     figures = stress_figures("hf tiny-llama")

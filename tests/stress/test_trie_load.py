@@ -39,7 +39,6 @@ and output) and the particles' weights. Runs measured 450 and 474 MiB for the tw
 glibc keeps, measured 588-629 MiB."""
 
 
-@pytest.mark.timeout(110)
 async def test_two_thousand_particle_calls_match_the_sequential_trie(tries, stress_figures):
     vocab, reference = tries
     figures = stress_figures("trie gpt2")
