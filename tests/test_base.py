@@ -355,7 +355,7 @@ async def test_aclose_fails_pending_requests_and_later_use():
     llm = make_llm(timeout_s=60.0)
     pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
     await asyncio.sleep(0)
-    await asyncio.wait_for(llm.aclose(), 10)
+    await asyncio.wait_for(llm.aclose(), 60)
     with pytest.raises(BackendClosedError):
         await pending
     with pytest.raises(BackendClosedError, match="closed"):
@@ -389,10 +389,10 @@ async def test_reset_async_queries_keeps_the_backend_usable(llm):
     await llm.next_token_logprobs([2])
     pending = asyncio.ensure_future(llm.next_token_logprobs([1]))
     await asyncio.sleep(0)
-    await asyncio.wait_for(llm.reset_async_queries(), 10)
-    with pytest.raises(BatcherClosedError):
+    await asyncio.wait_for(llm.reset_async_queries(), 60)
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
-    row = await asyncio.wait_for(llm.next_token_logprobs([2]), 10)  # cached
+    row = await asyncio.wait_for(llm.next_token_logprobs([2]), 60)  # cached
     torch.testing.assert_close(row, reference([2]), atol=TOL, rtol=0)
 
 

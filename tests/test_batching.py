@@ -17,7 +17,7 @@ from genlm_backend.batching import AutoBatcher, BatcherStats, BatchingConfig
 from genlm_backend.errors import BatcherClosedError
 
 LONG_S = 60.0  # a timeout no test waits for: reaching it would fail the test's own bound
-BOUND_S = 10.0  # how long any single await may take before the test fails
+BOUND_S = 60.0  # a hang guard on each await: never reached by a correct build, however loaded
 
 
 class Recorder:
@@ -75,7 +75,7 @@ def assert_settled(batcher: AutoBatcher) -> None:
 
 
 def test_needs_a_running_loop():
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="no running event loop"):
         AutoBatcher(lambda keys: keys, BatchingConfig(max_batch_size=1, timeout_s=1))
 
 
@@ -94,17 +94,19 @@ async def test_flushes_at_batch_size(running_recorder):
 
 
 async def test_timeout_flushes_a_lone_request(running_recorder):
+    """A lone request waits ``timeout_s`` for company, then goes alone.
+
+    The wait is a lower bound by construction (the batcher re-checks its clock
+    before dispatching), so it holds however loaded the machine is; that it
+    does not starve is the bounded await itself (``BOUND_S``).
+    """
     timeout_s = 0.2
     batcher = make_batcher(
         running_recorder, max_batch_size=8, timeout_s=timeout_s, flush_on_idle=False
     )
     start = time.monotonic()
     assert await bounded(batcher.submit("lonely")) == "value:lonely"
-    elapsed_s = time.monotonic() - start
-    # Waited for company (the loop's clock may fire up to a millisecond early)...
-    assert elapsed_s >= timeout_s - 0.01
-    # ...but did not starve.
-    assert elapsed_s < timeout_s + 2.0
+    assert time.monotonic() - start >= timeout_s
     assert running_recorder.batches == [["lonely"]]
     await batcher.aclose()
 
@@ -327,7 +329,7 @@ async def test_aclose_fails_pending_and_later_requests(running_recorder):
     assert batcher.stats.num_pending == 1
     await bounded(batcher.aclose())
     assert batcher.is_closed
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     with pytest.raises(BatcherClosedError, match="closed"):
         await batcher.submit("b")
@@ -342,7 +344,7 @@ async def test_aclose_fails_a_batch_in_flight_at_once(running_recorder):
     in_flight = asyncio.ensure_future(batcher.submit("a"))
     await bounded(running_recorder.started)
     await bounded(batcher.aclose())  # returns while the thread is still blocked
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await in_flight
     assert_settled(batcher)
     running_recorder.gate.set()
@@ -352,7 +354,7 @@ async def test_async_with_closes(running_recorder):
     async with make_batcher(running_recorder, max_batch_size=1, timeout_s=0) as batcher:
         assert await bounded(batcher.submit(1)) == "value:1"
     assert batcher.is_closed
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await batcher.submit(2)
 
 

@@ -95,11 +95,74 @@ def test_a_readme_ci_cannot_run_verbatim_is_an_error(markdown, message):
         extractor.quick_start_commands(markdown)
 
 
+def ci_steps() -> list[tuple[str, str, int, str | None]]:
+    """``(name, script, budget_s, lane)`` of each step of ``.ci/run``: ``step NAME BUDGET SCRIPT``
+    lines (lane ``None``) and the ``NAME:BUDGET:SCRIPT`` specs of each ``lane``."""
+    text = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    steps = []
+    for line in text.splitlines():
+        words = line.split("#")[0].split()
+        if words[:1] == ["step"]:
+            steps.append((words[1], words[3], int(words[2]), None))
+        elif words[:1] == ["lane"]:
+            for spec in words[2:]:
+                name, budget_s, script = spec.split(":")
+                steps.append((name, script, int(budget_s), words[1]))
+    return steps
+
+
 def test_every_ci_step_is_a_script_that_exists():
-    steps = re.findall(r"^step\s+(\S+)\s+(\S+)", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
-    names = [name for name, _ in steps]
+    steps = ci_steps()
+    names = [name for name, _, _, _ in steps]
     assert {"lint", "readme_commands", "vllm", "clients", "docs"} <= set(names)
     assert len(names) == len(set(names))
-    for _, script in steps:
+    for _, script, _, _ in steps:
         assert (ROOT / script).is_file(), script
         subprocess.run(["bash", "-n", str(ROOT / script)], check=True)  # parses
+
+
+def test_the_step_budgets_fit_in_thirty_minutes():
+    """Steps outside lanes run first, one after another; then the lanes side by side."""
+    steps = ci_steps()
+    lanes = {lane for _, _, _, lane in steps if lane is not None}
+    assert len(lanes) == 2
+    first = sum(budget_s for _, _, budget_s, lane in steps if lane is None)
+    longest_lane = max(
+        sum(budget_s for _, _, budget_s, lane in steps if lane == name) for name in lanes
+    )
+    assert first + longest_lane <= 30 * 60
+
+
+def test_tests_run_once_touch_neither_transformers_nor_a_tokenizer():
+    """The vLLM step skips the test files of ``.ci/version_free_tests.txt`` (the README
+    step runs them): none of them, nor a module of the package that importing it runs,
+    imports transformers, a tokenizer library, peft or vLLM; none names a tokenizer, a
+    model loader or a fixture holding a real asset."""
+    from tests.conftest import ASSET_FIXTURES
+    from tests.test_import_layers import (
+        imported_modules,
+        module_path,
+        package_imports,
+        third_party_imports,
+    )
+
+    version_dependent = {"transformers", "tokenizers", "peft", "vllm", "sentencepiece"}
+    named = re.compile(
+        "|".join([*ASSET_FIXTURES, "tokenizer", "from_name", "load_model_by_name", "decode_vocab"])
+    )
+    imports = package_imports(at_import_only=True)
+    listed = (ROOT / ".ci" / "version_free_tests.txt").read_text().split()
+    assert listed
+    for name in listed:
+        path = ROOT / name
+        assert not named.search(path.read_text(encoding="utf-8")), name
+        assert not third_party_imports(path) & version_dependent, name
+        reached, todo = set(), list(imported_modules(path, set(imports)))
+        while todo:
+            module = todo.pop()
+            if module not in reached:
+                reached.add(module)
+                todo.extend(imports[module])
+        for module in reached:
+            used = third_party_imports(module_path(module), at_import_only=True)
+            assert not used & version_dependent, (name, module)

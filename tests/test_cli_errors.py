@@ -90,7 +90,18 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, short_context_mock)
     assert short_context_mock._is_closed  # closed on the way out
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT's default disposition, as under a terminal.
+
+    A test run started in the background by a shell without job control (a CI
+    step run with ``&``, ``nohup``) inherits SIGINT *ignored*; Python then
+    installs no KeyboardInterrupt handler and the demo would never see Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
     """A real Ctrl-C (SIGINT) while the demo samples, sent once its progress bar shows."""
     with subprocess.Popen(
@@ -110,6 +121,7 @@ def test_sigint_during_sampling_exits_130_with_one_line(default_model_dir):
         stderr=subprocess.PIPE,
         cwd=ROOT,
         env={**os.environ, "TQDM_MININTERVAL": "0"},
+        preexec_fn=_default_sigint,
     ) as process:
         seen = b""
         while b"characters written" not in seen:

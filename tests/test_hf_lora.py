@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from genlm_backend.llm.hf import AsyncTransformer
+from genlm_backend.llm.sampling import make_generator, sample_continuation, stream_seeds
 from tests.conftest import build_tiny_llama
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
@@ -241,7 +242,26 @@ async def test_every_entry_point_takes_lora_name(llm, adapter_paths, references)
     llm.set_lora(lora_name="a")
     assert await llm.sample(context, 4, [], seed=7) == sampled  # same adapter, same stream
     llm.clear_lora()
-    assert (
-        await llm.batch_sample([context], 4, [], seed=3, lora_name="a")
-        == [await llm.batch_sample([context], 4, [], seed=3, lora_name="a")][0]
+    prompts = [context, context + [9]]
+    sampled = await llm.batch_sample(prompts, 6, [], temperature=0.05, seed=3, lora_name="a")
+    seeds = stream_seeds(3, len(prompts))
+    assert sampled == [
+        await reference_sample(references, path, prompt, 6, 0.05, s)
+        for prompt, s in zip(prompts, seeds)
+    ]
+    # The adapter is what decided: the base model draws other tokens from the same streams.
+    assert sampled != [
+        await reference_sample(references, None, prompt, 6, 0.05, s)
+        for prompt, s in zip(prompts, seeds)
+    ]
+
+
+async def reference_sample(references, path, prompt, max_tokens, temperature, seed):
+    """:func:`sample_continuation` on uncached forwards of adapter ``path`` (``None``: base)."""
+
+    async def next_logprobs(context):
+        return references(path, context)
+
+    return await sample_continuation(
+        next_logprobs, prompt, max_tokens, [], temperature, make_generator(seed)
     )

@@ -1,9 +1,14 @@
-"""Model names that name nothing: a missing path fails at once, an unknown name within seconds."""
+"""Model names that name nothing: a missing path fails without asking the hub, an unknown
+name after one hub request bounded in time (name resolution included).
+
+The hub is always a stand-in here (unreachable, silent, or answering): no
+verdict depends on the network.
+"""
 
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 from huggingface_hub import HfApi, constants
@@ -17,7 +22,9 @@ UNKNOWN_NAME = "genlm-backend-tests/no-such-model-7f3a"
 
 @pytest.fixture
 def empty_hub_cache(monkeypatch, tmp_path):
+    """An empty hub cache, on a machine allowed to ask the hub (whatever HF_HUB_OFFLINE says)."""
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     return tmp_path / "hub"
 
 
@@ -46,29 +53,45 @@ def hub_calls(monkeypatch):
         "dir/",
     ],
 )
-def test_a_missing_path_is_a_file_not_found_error_at_once(name, hub_calls):
-    start = time.perf_counter()
+def test_a_missing_path_is_a_file_not_found_error_without_asking_the_hub(name, hub_calls):
     with pytest.raises(FileNotFoundError, match=f"no such file or folder: '{name}'") as info:
         models.resolve_model_path(name)
-    assert time.perf_counter() - start < 1.0
     assert isinstance(info.value, ModelNotFoundError)
     assert hub_calls == []  # never asked the hub
 
 
-def test_an_unknown_name_fails_quickly_saying_what_was_tried(empty_hub_cache):
-    """With the real hub client: this machine reaches no hub, or the hub has no such model."""
+def test_an_unknown_name_fails_saying_what_was_tried(empty_hub_cache, hub_calls):
     environ = dict(os.environ)
-    start = time.perf_counter()
     with pytest.raises(ModelNotFoundError) as info:
         models.resolve_model_path(UNKNOWN_NAME)
-    assert time.perf_counter() - start < 20
     message = str(info.value)
     assert "\n" not in message
     assert f"model {UNKNOWN_NAME!r} is not a local folder or .gguf file" in message
     assert f"not in the local Hugging Face cache ({empty_hub_cache})" in message
-    assert "the Hugging Face hub did not provide it" in message
+    assert "the Hugging Face hub did not provide it (Name or service not known)" in message
     assert "pass a local transformers folder" in message and ".gguf file" in message
     assert dict(os.environ) == environ  # no global switch such as HF_HUB_OFFLINE
+    assert len(hub_calls) == 1
+
+
+def test_a_hub_that_never_answers_is_abandoned_after_the_timeout(monkeypatch, empty_hub_cache):
+    """As when name resolution hangs, which the hub client's own timeout does not bound."""
+    asked, never = threading.Event(), threading.Event()
+
+    def silent(self, repo_id, **kwargs):
+        asked.set()
+        never.wait(60)  # released at teardown; the lookup must not wait for it
+
+    monkeypatch.setattr(HfApi, "model_info", silent)
+    monkeypatch.setattr(models, "HUB_TIMEOUT_S", 0.05)
+    try:
+        with pytest.raises(
+            ModelNotFoundError, match=r"did not provide it \(no answer within 1.05 s\)"
+        ):
+            models.resolve_model_path(UNKNOWN_NAME)
+        assert asked.is_set() and not never.is_set()
+    finally:
+        never.set()
 
 
 def test_the_hub_is_asked_once_with_a_timeout(empty_hub_cache, hub_calls):

@@ -1,4 +1,7 @@
-"""AsyncTokenCharacterTrie: batching on the shared AutoBatcher, errors, cancellation, closing."""
+"""AsyncTokenCharacterTrie: batching on the shared AutoBatcher, errors, cancellation, closing.
+
+Results are checked against the same trie's sync path (exactly: batching must not
+change a value) and against the brute-force reference of ``test_trie.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from genlm_backend.trie import (
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,
 )
+from tests.test_trie import brute_force, token_ids_by_prefix
 
 VOCAB = make_tokens([b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"])
 
@@ -34,12 +38,29 @@ class RecordingTrie(ParallelTokenCharacterTrie):
     def _reduce(self, ws, op):
         self.batches.append((op, ws.shape[0]))
         self.started.set()
-        if not self.release.wait(timeout=10):
+        if not self.release.wait(timeout=60):
             raise TimeoutError("the test never released the batch")
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected trie failure")
         return super()._reduce(ws, op)
+
+
+def assert_matches_brute_force(trie: TokenCharacterTrie, op: str, ws, got) -> None:
+    """``got`` (one row over the trie's nodes) against the float64 brute-force reference:
+    each internal node reduces the tokens under its prefix, each leaf is its token's weight.
+    Tolerances as for the parallel trie in ``test_trie.py`` (float32)."""
+    ws = np.asarray(ws, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    internal = range(trie.num_internal_nodes)
+    members = token_ids_by_prefix([bytes(token) for token in VOCAB])
+    sums, maxima, logsumexps = brute_force(members, [trie.node2prefix[n] for n in internal], ws)
+    want = {"sum": sums, "max": maxima, "logsumexp": logsumexps}[op]
+    if op == "max":
+        np.testing.assert_array_equal(got[list(internal)], want.astype(np.float32))
+    else:
+        np.testing.assert_allclose(got[list(internal)], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[trie.token_id_to_leaf], ws.astype(np.float32))
 
 
 def weight_rows(num_rows: int, seed: int = 0) -> torch.Tensor:
@@ -55,6 +76,7 @@ async def test_concurrent_requests_form_one_batch_with_the_sync_results():
     assert trie.batches == [("sum", 16)]
     for row, got in zip(rows, sums):
         torch.testing.assert_close(got, trie.weight_sum(row.exp()), rtol=0, atol=0)
+        assert_matches_brute_force(trie, "sum", row.exp(), got)
 
 
 async def test_mixed_operations_in_one_batch_each_get_their_own_result():
@@ -67,6 +89,7 @@ async def test_mixed_operations_in_one_batch_each_get_their_own_result():
     for call, row, got in zip(calls, rows, results):
         expected = getattr(trie, call.__name__)(row)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert_matches_brute_force(trie, call.__name__.removeprefix("weight_"), row, got)
 
 
 async def test_sequential_backend_returns_float64_numpy():
@@ -116,7 +139,7 @@ async def test_cancelling_one_caller_leaves_the_others_untouched():
     rows = weight_rows(3)
     async with AsyncTokenCharacterTrie(trie) as async_trie:
         tasks = [asyncio.create_task(async_trie.weight_sum(row)) for row in rows]
-        await asyncio.to_thread(trie.started.wait, 10)  # the batch is computing
+        await asyncio.to_thread(trie.started.wait, 60)  # the batch is computing
         tasks[1].cancel()
         trie.release.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -130,10 +153,10 @@ async def test_aclose_fails_pending_requests_and_later_calls():
     trie.release.clear()
     async_trie = AsyncTokenCharacterTrie(trie)
     pending = asyncio.create_task(async_trie.weight_sum(weight_rows(1)[0]))
-    await asyncio.to_thread(trie.started.wait, 10)
+    await asyncio.to_thread(trie.started.wait, 60)
     await async_trie.aclose()
     trie.release.set()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     with pytest.raises(BatcherClosedError, match="closed"):
         await async_trie.weight_max(weight_rows(1)[0])
@@ -153,7 +176,7 @@ def test_each_event_loop_gets_its_own_batcher():
 def test_from_vocab_rejects_unknown_backend_and_arguments():
     with pytest.raises(ValueError, match="backend"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="gpu")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'device'"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="sequential", device="cpu")
     with pytest.raises(ValueError, match="batch_size"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, batch_size=0)

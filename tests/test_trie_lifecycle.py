@@ -27,7 +27,7 @@ class HeldTrie(ParallelTokenCharacterTrie):
 
     def _reduce(self, ws, op):
         self.started.set()
-        if not self.release.wait(timeout=10):
+        if not self.release.wait(timeout=60):
             raise TimeoutError("the test never released the batch")
         return super()._reduce(ws, op)
 
@@ -50,7 +50,7 @@ async def test_start_runs_the_batcher_and_cleanup_stops_it():
 
 
 def test_start_needs_a_running_loop():
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="no running event loop"):
         AsyncTokenCharacterTrie(HeldTrie()).start()
 
 
@@ -60,13 +60,13 @@ async def test_stopping_fails_pending_requests_and_serves_the_next(stop):
     trie.release.clear()
     async_trie = AsyncTokenCharacterTrie(trie)
     pending = asyncio.create_task(async_trie.weight_sum(row(1)))
-    await asyncio.to_thread(trie.started.wait, 10)
+    await asyncio.to_thread(trie.started.wait, 60)
     if stop == "cleanup":
         await async_trie.cleanup()
     else:
         async_trie.shutdown()
     trie.release.set()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         await pending
     got = await async_trie.weight_max(row(2))
     np.testing.assert_array_equal(got, trie.weight_max(row(2)))
@@ -87,7 +87,7 @@ def test_shutdown_outside_a_loop_then_a_new_loop_is_served():
 async def test_start_after_aclose_raises():
     async_trie = AsyncTokenCharacterTrie(HeldTrie())
     await async_trie.aclose()
-    with pytest.raises(BatcherClosedError):
+    with pytest.raises(BatcherClosedError, match="closed"):
         async_trie.start()
 
 

@@ -75,6 +75,9 @@ def run(suite: str, backend: str, sdists: Path, work: Path) -> int:
         "no:cacheprovider",
         "-p",
         "clients_selection",
+        # The test extra brings pytest-randomly; these suites are run in their own order.
+        "-p",
+        "no:randomly",
         f"--timeout={TIMEOUT_PER_TEST_S}",
     ]
     if backend == "ours":

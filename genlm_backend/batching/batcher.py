@@ -7,24 +7,15 @@ import contextlib
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from genlm_backend.batching.config import BatchingConfig
+from genlm_backend.batching.queue import PendingQueue
 from genlm_backend.batching.stats import BatcherStats
 from genlm_backend.errors import BatcherClosedError, BatcherWorkerDiedError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-
-
-@dataclass
-class _Queued:
-    """A distinct key waiting for dispatch."""
-
-    future: asyncio.Future
-    queued_at: float
-    num_tokens: int
 
 
 class AutoBatcher(Generic[K, V]):
@@ -68,8 +59,7 @@ class AutoBatcher(Generic[K, V]):
         self.config = BatchingConfig() if config is None else config
         self._request_tokens = request_tokens
         self._executor = executor
-        self._pending: dict[K, _Queued] = {}  # insertion order = queue order
-        self._num_pending_tokens = 0
+        self._pending: PendingQueue[K] = PendingQueue()
         self._inflight: dict[K, asyncio.Future] = {}
         self._num_waiters: dict[asyncio.Future, int] = {}  # per computation, not per key
         self._arrived = asyncio.Event()
@@ -105,7 +95,7 @@ class AutoBatcher(Generic[K, V]):
             num_cancelled=c["cancelled"],
             num_pending=len(self._pending),
             num_inflight=len(self._inflight),
-            num_pending_tokens=self._num_pending_tokens,
+            num_pending_tokens=self._pending.num_tokens,
         )
 
     async def submit(self, key: K) -> V:
@@ -130,8 +120,9 @@ class AutoBatcher(Generic[K, V]):
     def _enqueue_nowait(self, key: K) -> asyncio.Future:
         if self._is_closed:
             raise self._closed_error()
-        queued = self._pending.get(key)
-        future = queued.future if queued is not None else self._inflight.get(key)
+        future = self._pending.future_of(key)
+        if future is None:
+            future = self._inflight.get(key)
         if future is not None:
             self._counts["requests"] += 1
             self._counts["deduplicated"] += 1
@@ -141,8 +132,7 @@ class AutoBatcher(Generic[K, V]):
             raise ValueError(f"request_tokens gave {num_tokens!r} for a key; expected an int >= 0")
         self._counts["requests"] += 1
         future = self._loop.create_future()
-        self._pending[key] = _Queued(future, time.monotonic(), num_tokens)
-        self._num_pending_tokens += num_tokens
+        self._pending.add(key, future, num_tokens)
         self._arrived.set()
         if self._worker is None:
             self._worker = self._loop.create_task(self._serve(), name="AutoBatcher worker")
@@ -165,15 +155,9 @@ class AutoBatcher(Generic[K, V]):
             return
         del self._num_waiters[future]
         # Nobody waits for a computation that is still queued: drop it before it costs model work.
-        queued = self._pending.get(key)
-        if queued is not None and queued.future is future and not future.done():
-            self._unqueue(key)
+        if self._pending.future_of(key) is future and not future.done():
+            self._pending.remove(key)
             future.cancel()
-
-    def _unqueue(self, key: K) -> asyncio.Future:
-        queued = self._pending.pop(key)
-        self._num_pending_tokens -= queued.num_tokens
-        return queued.future
 
     # ------------------------------------------------------------------ worker
 
@@ -201,20 +185,18 @@ class AutoBatcher(Generic[K, V]):
 
     def _take_batch(self) -> list[K]:
         """The keys of the next batch, in queue order, as the config's limits allow."""
-        length = self.config.next_batch_length(
-            queued.num_tokens for queued in self._pending.values()
-        )
-        return list(self._pending)[:length]
+        return self._pending.first_keys(self.config.next_batch_length(self._pending.token_costs()))
 
     async def _wait_for_flush(self) -> None:
         while True:
             while not self._pending:
                 self._arrived.clear()
                 await self._arrived.wait()
-            if self.config.is_full(len(self._pending), self._num_pending_tokens):
+            if self.config.is_full(len(self._pending), self._pending.num_tokens):
                 return
-            oldest = next(iter(self._pending.values()))
-            remaining_s = oldest.queued_at + self.config.timeout_s - time.monotonic()
+            remaining_s = (
+                self._pending.oldest_queued_at() + self.config.timeout_s - time.monotonic()
+            )
             if remaining_s <= 0:
                 return
             if self.config.flush_on_idle and await self._loop_went_idle():
@@ -233,7 +215,7 @@ class AutoBatcher(Generic[K, V]):
     async def _run_batch(self, keys: list[K]) -> None:
         if not keys:
             return
-        futures = [self._unqueue(key) for key in keys]
+        futures = [self._pending.remove(key) for key in keys]
         self._inflight.update(zip(keys, futures))
         self._counts["batches"] += 1
         self._counts["batched_keys"] += len(keys)
@@ -272,13 +254,7 @@ class AutoBatcher(Generic[K, V]):
 
     def _fail_all(self) -> None:
         """Fail every queued and computing request with this batcher's closed error."""
-        keys = list(self._pending) + list(self._inflight)
-        futures = [queued.future for queued in self._pending.values()] + list(
-            self._inflight.values()
-        )
-        self._pending.clear()
-        self._num_pending_tokens = 0
-        for key, future in zip(keys, futures):
+        for key, future in self._pending.drain() + list(self._inflight.items()):
             self._settle([key], [future], error=self._closed_error())
 
     # ------------------------------------------------------------------ closing

@@ -1,4 +1,8 @@
-"""The one :class:`AsyncLM`: contract, validation, output cache, batcher, sync bridge, sampling, stats.
+"""The one :class:`AsyncLM`: contract, validation, output cache, batcher, stats.
+
+Its blocking calls live in :mod:`~genlm_backend.llm.sync`, sampling in
+:mod:`~genlm_backend.llm.sampling`, adapters and the lifecycle in their own
+modules, each a mixin of :class:`AsyncLM`.
 
 Model work is delegated to a :class:`~genlm_backend.llm.runner.Runner`
 (HF, vLLM or mock). The data path of one request::
@@ -33,6 +37,7 @@ from genlm_backend.llm.lifecycle import LifecycleMethods
 from genlm_backend.llm.runner import Request, Runner
 from genlm_backend.llm.sampling import SamplingMethods, sample_token
 from genlm_backend.llm.stats import LMStats
+from genlm_backend.llm.sync import SyncMethods
 from genlm_backend.llm.validation import (
     TokenIds,
     as_list_of_contexts,
@@ -45,7 +50,7 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
-class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
+class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
 
     Output contract, for every runner and model:
@@ -265,55 +270,10 @@ class AsyncLM(SamplingMethods, AdapterMethods, LifecycleMethods):
         requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
         return torch.stack(await asyncio.gather(*map(self._submit, requests)))
 
-    def next_token_logprobs_sync(
-        self, token_ids: TokenIds, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Blocking :meth:`next_token_logprobs`; works inside a running event loop too."""
-        # Validated here first, so errors name token_ids (not token_ids_list[0]).
-        validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
-        return self.batch_next_token_logprobs_sync([token_ids], lora_name)[0]
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
-        requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
-        rows: dict[Request, torch.Tensor] = {}
-        for request in requests:
-            cached = self._cached(request)
-            if cached is not None:
-                rows[request] = cached
-        missing = [request for request in dict.fromkeys(requests) if request not in rows]
-        for chunk in self.batching.split(missing, self._request_tokens):
-            for request, row in zip(chunk, self._process_batch(chunk)):
-                if isinstance(row, ValueError):
-                    raise row
-                rows[request] = row
-        return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
-
-    def next_token_logprobs_uncached(
-        self, token_ids: TokenIds, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """One plain forward pass over the whole context: no batching, no cache read or written."""
-        self._check_open()
-        request = Request(
-            self.adapters.resolve(lora_name),
-            validate_token_ids(token_ids, self.vocab_size, self.max_context_length),
-        )
-        with self._compute_lock:
-            return self.runner.run_uncached(request).to(self.device)
-
     def _request_tokens(self, request: Request) -> int:
         """A request's cost against the batch token budget: the runner's estimate, else its context length."""
         estimate = getattr(self.runner, "request_tokens", None)
         return estimate(request) if estimate is not None else len(request.context)
-
-    def cache_kv(self, prompt_tokens: TokenIds, lora_name: str | None = None) -> None:
-        """Run ``prompt_tokens`` now, so later requests extending it start from its keys/values.
-
-        Optional: every evaluated context is cached anyway.
-        """
-        self.next_token_logprobs_sync(prompt_tokens, lora_name)
 
 
 def _replaced_adapter_error(request: Request) -> ValueError:

@@ -8,6 +8,9 @@ from genlm_backend.errors import BackendNotAvailableError
 from genlm_backend.install_vllm import INSTALL_COMMAND
 from genlm_backend.llm.base import AsyncLM
 
+# Re-exported: documented here beside load_model_by_name; it lives in models, below mock.
+from genlm_backend.models import load_tokenizer_by_name as load_tokenizer_by_name
+
 BACKENDS = ("hf", "vllm", "mock")
 
 
@@ -57,19 +60,6 @@ def default_backend() -> str:
     import torch
 
     return "vllm" if torch.cuda.is_available() and vllm_is_available() else "hf"
-
-
-def load_tokenizer_by_name(name=None):
-    """The tokenizer of a local folder, a ``.gguf`` file or the default model (``None``).
-
-    Raises:
-        ModelNotFoundError: see :func:`genlm_backend.models.resolve_model_path`.
-    """
-    from transformers import AutoTokenizer
-
-    from genlm_backend.models import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
 
 def load_model_by_name(

@@ -10,6 +10,7 @@ import torch
 
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats
+from genlm_backend.models import load_tokenizer_by_name
 
 
 class MockRunner:
@@ -91,6 +92,4 @@ class MockAsyncLM(AsyncLM):
     @classmethod
     def from_name(cls, model_name: str | None = None, **kwargs) -> MockAsyncLM:
         """A mock over the tokenizer of a local or default model (see :func:`load_tokenizer_by_name`)."""
-        from genlm_backend.llm.loader import load_tokenizer_by_name
-
         return cls(load_tokenizer_by_name(model_name), **kwargs)

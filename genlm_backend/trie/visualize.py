@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -11,11 +12,27 @@ import torch
 if TYPE_CHECKING:
     import graphviz
 
-    from genlm_backend.trie.base import TokenCharacterTrie
+
+class DrawableTrie(Protocol):
+    """What drawing needs of a trie (:class:`~genlm_backend.trie.base.TokenCharacterTrie`
+    has it all); the trie module imports this one, never the other way round."""
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def children(self) -> Sequence[Mapping[Any, int]]: ...
+
+    @property
+    def node2prefix(self) -> Mapping[int, Any]: ...
+
+    def prefix_to_node(self, prefix: Any) -> int | None: ...
+
+    def leaf_token_id(self, node: int) -> int | None: ...
 
 
 def visualize_trie(
-    trie: TokenCharacterTrie, ws=None, *, prefix=b"", max_nodes: int = 100
+    trie: DrawableTrie, ws=None, *, prefix=b"", max_nodes: int = 100
 ) -> graphviz.Digraph:
     """Draw the sub-trie below ``prefix``: its first ``max_nodes`` nodes, breadth-first.
 
@@ -58,7 +75,7 @@ def visualize_trie(
     return graph
 
 
-def _node_values(trie: TokenCharacterTrie, ws) -> np.ndarray | None:
+def _node_values(trie: DrawableTrie, ws) -> np.ndarray | None:
     if ws is None:
         return None
     if isinstance(ws, torch.Tensor):
@@ -72,7 +89,7 @@ def _node_values(trie: TokenCharacterTrie, ws) -> np.ndarray | None:
     return values
 
 
-def _breadth_first(trie: TokenCharacterTrie, start: int, max_nodes: int):
+def _breadth_first(trie: DrawableTrie, start: int, max_nodes: int):
     nodes, edges = [start], []
     queue = deque([start])
     num_left_out = 0
@@ -95,7 +112,7 @@ def _edge_label(key) -> str:
     return repr(bytes([key]))[2:-1] if isinstance(key, int) else repr(key)
 
 
-def _num_descendants(trie: TokenCharacterTrie, node: int) -> int:
+def _num_descendants(trie: DrawableTrie, node: int) -> int:
     stack, count = [node], 0
     while stack:
         children = trie.children[stack.pop()].values()
@@ -104,7 +121,7 @@ def _num_descendants(trie: TokenCharacterTrie, node: int) -> int:
     return count
 
 
-def _draw_node(graph, trie: TokenCharacterTrie, node: int, values) -> None:
+def _draw_node(graph, trie: DrawableTrie, node: int, values) -> None:
     import graphviz
 
     token_id = trie.leaf_token_id(node)

@@ -35,7 +35,6 @@ def llm_and_checker(shared_llm, llama_copy):
     return shared_llm, ReferenceChecker(llama_copy[1], shared_llm.vocab_size)
 
 
-@pytest.mark.timeout(60)
 async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker, stress_figures):
     llm, checker = llm_and_checker
     figures = stress_figures("hf tiny-llama")
@@ -67,7 +66,6 @@ async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker,
     figures.served += checker.num_checked
 
 
-@pytest.mark.timeout(60)
 async def test_a_bad_context_rejects_its_batch_call_before_any_work(
     llm_and_checker, stress_figures
 ):

@@ -108,7 +108,6 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
     return len(outcomes) - len(cancelled_ids), len(cancelled_ids)
 
 
-@pytest.mark.timeout(100)
 async def test_random_fifth_cancelled_at_every_stage(llama_copy, stress_figures):
     model, reference_model, tokenizer = llama_copy
     figures = stress_figures("hf tiny-llama")
@@ -132,7 +131,6 @@ async def test_random_fifth_cancelled_at_every_stage(llama_copy, stress_figures)
     await llm.aclose()
 
 
-@pytest.mark.timeout(60)
 async def test_cancelling_every_caller_of_a_computing_batch_leaves_the_backend_serving(
     llama_copy, stress_figures
 ):

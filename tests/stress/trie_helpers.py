@@ -16,6 +16,9 @@ OPS = ("sum", "max", "logsumexp")
 class StressTrie(ParallelTokenCharacterTrie):
     """Counts reduced rows; can hold the next ``_reduce`` until released, or raise planned errors.
 
+    ``entered`` is set when a ``_reduce`` starts, ``returned`` when one ends
+    (returned or raised).
+
     Every weight vector of these tests carries its request number in entry 0,
     so ``batches`` records exactly which requests each ``_reduce`` call held.
     """
@@ -25,21 +28,26 @@ class StressTrie(ParallelTokenCharacterTrie):
         self.batches: list[list[int]] = []
         self.planned_errors: dict[int, BaseException] = {}
         self.entered, self.release = threading.Event(), threading.Event()
+        self.returned = threading.Event()
         self.release.set()
 
     def hold_next(self) -> None:
         self.entered.clear()
+        self.returned.clear()
         self.release.clear()
 
     def _reduce(self, ws, op):
         self.batches.append([int(w) for w in ws[:, 0].tolist()])
         self.entered.set()
-        if not self.release.wait(WAIT_S):
-            raise TimeoutError("the held batch was never released")
-        error = self.planned_errors.pop(len(self.batches) - 1, None)
-        if error is not None:
-            raise error
-        return super()._reduce(ws, op)
+        try:
+            if not self.release.wait(WAIT_S):
+                raise TimeoutError("the held batch was never released")
+            error = self.planned_errors.pop(len(self.batches) - 1, None)
+            if error is not None:
+                raise error
+            return super()._reduce(ws, op)
+        finally:
+            self.returned.set()
 
 
 def weights(rng: np.random.Generator, vocab_size: int, op: str, number: int) -> torch.Tensor:
