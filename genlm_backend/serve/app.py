@@ -86,7 +86,6 @@ class ServeApp:
         self._token = None if token is None else f"Bearer {token}".encode()
         self._log = log
         self.info = model_info(lm, limits, model_name, backend)
-        self._info_body = protocol.pack(self.info)
         self._model_id = self.info["model_id"].encode()
         self._closing = asyncio.Event()
         self._closing_reason = ""
@@ -217,7 +216,8 @@ class ServeApp:
         raise _ClientGone
 
     async def _get_info(self, body: bytes) -> tuple[bytes, str]:
-        return self._info_body, protocol.MSGPACK_CONTENT_TYPE
+        info = {**self.info, "adapters": _adapter_paths(self.lm)}
+        return protocol.pack(info), protocol.MSGPACK_CONTENT_TYPE
 
     async def _get_stats(self, body: bytes) -> tuple[bytes, str]:
         lm_stats = asdict(self.lm.stats)
