@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import httpx
 import torch
+import urllib3
 
 from genlm_backend.errors import (
     RemoteModelError,
@@ -49,8 +49,8 @@ class RemoteRunner:
     """A :class:`~genlm_backend.llm.runner.Runner` whose model is a ``genlm-backend serve`` server.
 
     Synchronous (it runs in the ``AsyncLM``'s worker thread or a ``*_sync``
-    caller's thread); each call is one HTTP request on a kept-alive connection,
-    reopened on the next call after a failure.
+    caller's thread); each call is one HTTP request (urllib3) on a kept-alive
+    connection, reopened on the next call after a failure. Nothing is retried.
 
     Args:
         url: ``http://HOST:PORT`` of the server.
@@ -71,8 +71,13 @@ class RemoteRunner:
         self.url = url.rstrip("/")
         token = os.environ.get(TOKEN_ENV) if token is None else token
         headers = {protocol.TOKEN_HEADER: f"Bearer {token}"} if token else {}
-        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = urllib3.connection_from_url(
+            self.url,
+            headers=headers,
+            timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+            retries=False,  # a failure is reported, not hidden; the next call reconnects
+            maxsize=2,  # the model's worker thread, and a caller's thread for stats or LoRA
+        )
         self.model_id: str | None = None
         self.vocab_size = 0
         self.num_round_trips = 0
@@ -84,7 +89,7 @@ class RemoteRunner:
 
     def fetch_info(self) -> dict:
         """The server's ``/v1/info`` map; remembers its model id (checked on every later answer)."""
-        info = protocol.unpack(self._call("GET", "/v1/info").content)
+        info = protocol.unpack(self._call("GET", "/v1/info").data)
         if info.get("protocol") != protocol.PROTOCOL_VERSION:
             raise ServerUnavailableError(
                 f"the server at {self.url} speaks protocol {info.get('protocol')!r}, "
@@ -106,7 +111,7 @@ class RemoteRunner:
         body = protocol.encode_logprobs_request(contexts, names, uncached)
         response = self._call("POST", "/v1/logprobs", body)
         self._num_tokens_sent += sum(map(len, contexts))
-        return protocol.decode_rows(response.content, len(requests), self.vocab_size)
+        return protocol.decode_rows(response.data, len(requests), self.vocab_size)
 
     def load_adapter(self, adapter: Adapter) -> None:
         self._call("POST", "/v1/lora", protocol.pack({"op": "add", **_adapter_fields(adapter)}))
@@ -122,12 +127,12 @@ class RemoteRunner:
         self._call("POST", "/v1/clear", protocol.pack({"what": what}))
 
     def server_stats(self) -> dict:
-        return protocol.unpack(self._call("GET", "/v1/stats").content)
+        return protocol.unpack(self._call("GET", "/v1/stats").data)
 
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+    def _call(self, method: str, path: str, body: bytes | None = None) -> urllib3.BaseHTTPResponse:
         """One request; its failure as the library's exception.
 
         Raises:
@@ -137,24 +142,29 @@ class RemoteRunner:
                 the server's answer for this request.
         """
         try:
-            response = self._http.request(method, path, content=body)
-        except httpx.TimeoutException as exc:
+            response = self._http.request(method, path, body=body)
+        except urllib3.exceptions.NewConnectionError as exc:  # before TimeoutError: a subclass
+            raise ServerUnavailableError(
+                f"cannot reach the genlm-backend server at {self.url} ({exc.__class__.__name__}); "
+                "is `genlm-backend serve` running there? The next call tries again"
+            ) from None
+        except urllib3.exceptions.TimeoutError as exc:
             raise ServerUnavailableError(
                 f"the server at {self.url} gave no answer in time ({type(exc).__name__}); "
                 "the next call tries again"
             ) from None
-        except httpx.TransportError as exc:
+        except urllib3.exceptions.HTTPError as exc:
             raise ServerUnavailableError(
-                f"cannot reach the genlm-backend server at {self.url} ({type(exc).__name__}: "
-                f"{exc}); it stopped or is not running. The next call reconnects"
+                f"the server at {self.url} closed the connection during the request "
+                f"({type(exc).__name__}): it stopped or crashed. The next call reconnects"
             ) from None
         self.num_round_trips += 1
         self._check_model(response)
-        if response.status_code != 200:
+        if response.status != 200:
             raise _error_of(response, self.url)
         return response
 
-    def _check_model(self, response: httpx.Response) -> None:
+    def _check_model(self, response: urllib3.BaseHTTPResponse) -> None:
         served = response.headers.get(protocol.MODEL_ID_HEADER)
         if self.model_id is not None and served is not None and served != self.model_id:
             raise ServerModelChangedError(
@@ -167,14 +177,14 @@ def _adapter_fields(adapter: Adapter) -> dict:
     return {"name": adapter.name, "path": adapter.path}
 
 
-def _error_of(response: httpx.Response, url: str) -> Exception:
+def _error_of(response: urllib3.BaseHTTPResponse, url: str) -> Exception:
     try:
-        fields = protocol.unpack(response.content)
+        fields = protocol.unpack(response.data)
         kind, message = str(fields["kind"]), str(fields["message"])
     except (ValueError, KeyError):
-        kind, message = "", response.text[:200]
+        kind, message = "", response.data[:200].decode(errors="replace")
     error_type = _ERRORS.get(kind, ServerUnavailableError)
-    return error_type(f"{message} (server {url}, HTTP {response.status_code})")
+    return error_type(f"{message} (server {url}, HTTP {response.status})")
 
 
 class RemoteLM(AsyncLM):
