@@ -48,7 +48,7 @@ class ServeStats:
     num_failed_by_shutdown: int
     """Requests failed because the server was shutting down."""
     num_in_flight: int
-    """Requests received and not yet answered."""
+    """``/v1/logprobs`` requests received and not yet answered."""
 
 
 class _ClientGone(Exception):
@@ -93,6 +93,7 @@ class ServeApp:
         self._closing = asyncio.Event()
         self._closing_reason = ""
         self._in_flight: set[asyncio.Task] = set()
+        self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
         self._routes: dict[tuple[str, str], Callable[[bytes], Awaitable[tuple[bytes, str]]]] = {
             ("GET", "/v1/info"): self._get_info,
@@ -110,7 +111,7 @@ class ServeApp:
             num_rejected=c["rejected"],
             num_cancelled_by_disconnect=c["cancelled"],
             num_failed_by_shutdown=c["shutdown"],
-            num_in_flight=len(self._in_flight - {asyncio.current_task()}),
+            num_in_flight=self._num_logprobs_in_flight,
         )
 
     # ------------------------------------------------------------------ ASGI
@@ -163,14 +164,18 @@ class ServeApp:
 
     async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
         self._counts["requests"] += 1
-        body = await _read_body(scope, receive, self.limits.max_body_bytes)
+        self._num_logprobs_in_flight += 1
         try:
-            request = protocol.decode_logprobs_request(body, self.limits)
-        except RequestTooLargeError as exc:
-            raise _Reject("RequestTooLarge", str(exc)) from None
-        except ValueError as exc:
-            raise _Reject("ValueError", str(exc)) from None
-        rows = await self._until_gone_or_closing(self._compute(request), scope, receive)
+            body = await _read_body(scope, receive, self.limits.max_body_bytes)
+            try:
+                request = protocol.decode_logprobs_request(body, self.limits)
+            except RequestTooLargeError as exc:
+                raise _Reject("RequestTooLarge", str(exc)) from None
+            except ValueError as exc:
+                raise _Reject("ValueError", str(exc)) from None
+            rows = await self._until_gone_or_closing(self._compute(request), scope, receive)
+        finally:
+            self._num_logprobs_in_flight -= 1
         self._counts["rows"] += rows.shape[0]
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
 
