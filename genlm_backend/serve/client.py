@@ -209,7 +209,8 @@ class RemoteLM(AsyncLM):
     Args:
         url: ``http://HOST:PORT`` or ``genlm://HOST:PORT``.
         token: Shared token of a server that asks for one (``None``: ``$GENLM_SERVE_TOKEN``).
-        connect_timeout_s, read_timeout_s: See :class:`RemoteRunner`.
+        connect_timeout_s: Most seconds to open a connection (see :class:`RemoteRunner`).
+        read_timeout_s: Most seconds to wait for an answer (see :class:`RemoteRunner`).
         timeout_s: Most seconds a request waits for company before its batch goes.
         output_cache_bytes: This client's own output cache (0 disables it).
 
