@@ -7,7 +7,8 @@
 # Tests that need a GPU, MLX, SGLang or vLLM, or assets that cannot exist
 # offline, are deselected with their reason (.ci/clients/not_runnable.txt); so are
 # the documented departures from upstream (.ci/clients/known_departures.txt).
-# Every other test must pass.
+# Every other test must pass. Then genlm-control runs through a `genlm-backend serve`
+# process (tests/test_serve_control.py).
 #
 # CLIENTS_BACKEND=upstream runs the same suites on upstream genlm-backend 0.3.1
 # (no alias, no known departures): the baseline that the departures are measured against.
@@ -76,6 +77,11 @@ for suite in $suites; do
     "$python" "$repo/.ci/clients/run_suite.py" --backend "$backend" --sdists "$sdists" \
         --work "$work" "$suite" || status=1
 done
+# 6. genlm-control through a `genlm-backend serve` process: AWRS SMC samples what it
+#    samples in-process (tests/test_serve_control.py; skipped where genlm-control is absent).
+if [ "$backend" = "ours" ] && [[ " $suites " == *" control "* ]]; then
+    (cd "$repo" && "$python" -m pytest -q -p no:cacheprovider tests/test_serve_control.py) || status=1
+fi
 "$python" "$repo/.ci/clients/run_suite.py" --summary --work "$work" --backend "$backend"
 echo "client suites ($backend) finished in $(( $(date +%s) - start )) s"
 exit $status

@@ -10,7 +10,10 @@ one ``next_token_logprobs`` per particle per step, seeded) from a shared
 * **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
 
 Time is from "go" to the last process done (model loading excluded, warm-up
-excluded; the 4-models load time is reported apart). Memory is the peak RSS
+excluded; the 4-models load time is reported apart). Model processes use
+torch's default thread count (the machine's cores); served clients use
+``--client-threads`` (1: they only sample and copy rows, and on a busy
+machine a second OpenMP thread makes every small tensor operation wait). Memory is the peak RSS
 (``VmHWM``) summed over the processes of a setup. Then, against the served
 model, the round trip of one batch of 1, 16 and 64 rows the server already
 holds in its output cache (so no model work: the transport and both
@@ -47,8 +50,12 @@ def peak_rss_mb(pid: int | str = "self") -> float:
 
 def worker(args: argparse.Namespace) -> None:
     """One process: load (or connect), say "ready", wait for "go", sample, print a JSON result."""
+    import torch
+
     from genlm_backend import load_model_by_name
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     if args.url:
         from genlm_backend.serve import RemoteLM
@@ -113,20 +120,37 @@ def run_group(workers: list[list[str]]) -> tuple[float, list[dict]]:
     return wall_s, results
 
 
-def worker_argv(particles: int, steps: int, seed: int, url: str | None = None) -> list[str]:
+def worker_argv(
+    particles: int, steps: int, seed: int, url: str | None = None, threads: int | None = None
+) -> list[str]:
     argv = [__file__, "--role", "worker", "--particles", str(particles), "--steps", str(steps)]
-    return argv + ["--seed", str(seed)] + (["--url", url] if url else [])
+    argv += ["--seed", str(seed)] + (["--url", url] if url else [])
+    return argv + (["--threads", str(threads)] if threads else [])
 
 
 # ---------------------------------------------------------------- round trip
 
 
-def round_trips(url: str, repeats: int) -> dict[int, tuple[float, float]]:
-    """rows -> (served ms, in-process ms) for one batch of rows held in an output cache."""
+def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, float]]:
+    """rows -> (served ms, in-process ms) for one batch of rows held in an output cache.
+
+    Both in this process, with ``threads`` torch threads (no model work runs).
+    """
+    import torch
+
     from genlm_backend import load_model_by_name
+
+    torch.set_num_threads(threads)
     from genlm_backend.serve import RemoteLM
 
     remote = RemoteLM(url, output_cache_bytes=0)
+    lm_stats, _ = remote.server_stats()
+    print(
+        f"server after the served run: {lm_stats.num_batches} batches, mean batch size "
+        f"{lm_stats.mean_batch_size:.1f}, tokens computed {lm_stats.num_tokens_computed} "
+        f"of {lm_stats.num_tokens_requested} requested",
+        file=sys.stderr,
+    )
     local = load_model_by_name(backend="hf")
     prompt = remote.tokenizer.encode(PROMPT)[:25]
     figures = {}
@@ -162,6 +186,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of a worker")
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=1,
+        help="torch threads of each served client (default 1: a client only samples)",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="round trips per row count")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
@@ -179,7 +210,9 @@ def main() -> None:
     server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"])
     url = wait_line(server, "genlm-backend serve: listening on ")
     try:
-        wall, results = run_group([worker_argv(p, s, i, url) for i in range(NUM_PROCESSES)])
+        wall, results = run_group(
+            [worker_argv(p, s, i, url, args.client_threads) for i in range(NUM_PROCESSES)]
+        )
         server_rss = peak_rss_mb(server.pid)
         clients_rss = sum(r["rss_mb"] for r in results)
         rows.append(
@@ -191,7 +224,7 @@ def main() -> None:
             )
         )
         print(f"served done: {wall:.2f} s", file=sys.stderr)
-        trips = round_trips(url, args.repeats)
+        trips = round_trips(url, args.repeats, args.client_threads)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -43,6 +43,9 @@ def contexts_of(lm, text: str, count: int) -> list[list[int]]:
 def test_vocabulary_and_tokenizer_match_in_process(remote, reference):
     assert isinstance(remote, RemoteLM)
     assert remote.byte_vocab == reference.byte_vocab
+    assert [bytes(t) for t in remote.byte_vocab] == [bytes(t) for t in reference.byte_vocab]
+    assert [type(t) for t in remote.byte_vocab] == [type(t) for t in reference.byte_vocab]
+    assert [t.token_id for t in remote.byte_vocab] == [t.token_id for t in reference.byte_vocab]
     assert remote.str_vocab == reference.str_vocab
     text = "Hello, world! Ünïcode ✓"
     assert remote.tokenizer.encode(text) == reference.tokenizer.encode(text)

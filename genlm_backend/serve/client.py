@@ -29,7 +29,7 @@ from genlm_backend.llm.runner import Adapter, Request, RunnerStats
 from genlm_backend.llm.stats import LMStats
 from genlm_backend.serve import protocol
 from genlm_backend.serve.app import ServeStats
-from genlm_backend.serve.info import load_tokenizer_files
+from genlm_backend.serve.info import byte_vocab_of, load_tokenizer_files
 from genlm_backend.serve.server import TOKEN_ENV
 
 REMOTE_SCHEME = "genlm://"
@@ -252,7 +252,7 @@ class RemoteLM(AsyncLM):
             max_batch_tokens=limits.max_batch_tokens,
             output_cache_bytes=output_cache_bytes,
             max_context_length=info["max_context_length"],
-            byte_vocab=info["byte_vocab"],
+            byte_vocab=byte_vocab_of(info),
             str_vocab=info["str_vocab"],
         )
         for name, path in info["adapters"].items():

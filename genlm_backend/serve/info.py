@@ -24,7 +24,8 @@ def model_info(lm: AsyncLM, limits: ServeLimits, model_name: str, backend: str) 
         "model_id": model_id(lm, model_name, backend),
         "model_name": model_name,
         "backend": backend,
-        "byte_vocab": list(lm.byte_vocab),
+        "byte_vocab": [bytes(token) for token in lm.byte_vocab],
+        "token_ids": _token_ids(lm.byte_vocab),
         "str_vocab": list(lm.str_vocab),
         "tokenizer_files": tokenizer_files(lm.tokenizer),
         "max_context_length": max_context_length,
@@ -32,6 +33,25 @@ def model_info(lm: AsyncLM, limits: ServeLimits, model_name: str, backend: str) 
         "max_body_bytes": limits.max_body_bytes,
         "adapters": {name: adapter.path for name, adapter in lm.adapters.registered().items()},
     }
+
+
+def byte_vocab_of(info: dict) -> list:
+    """The server's ``byte_vocab`` from its info: ``Token``\\ s where the server has them."""
+    from genlm_backend.tokenization import Token
+
+    token_ids = info.get("token_ids")
+    if token_ids is None:
+        return list(info["byte_vocab"])
+    return [Token(token_id, token) for token_id, token in zip(token_ids, info["byte_vocab"])]
+
+
+def _token_ids(byte_vocab) -> list[int] | None:
+    """Each entry's ``token_id`` when every entry is a ``Token`` (as ``decode_vocab`` makes them)."""
+    from genlm_backend.tokenization import Token
+
+    if not all(isinstance(token, Token) for token in byte_vocab):
+        return None
+    return [token.token_id for token in byte_vocab]
 
 
 def model_id(lm: AsyncLM, model_name: str, backend: str) -> str:
