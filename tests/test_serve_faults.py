@@ -118,6 +118,20 @@ def test_a_server_that_dies_fails_the_client_once_and_is_used_again_when_back(re
         back.stop()
 
 
+def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_server):
+    """The gate stands for a hung server (or a dead network): the answer never comes."""
+    with RemoteLM(gated_server.url, read_timeout_s=0.5) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match="no answer in time"):
+            client.next_token_logprobs_sync([3])
+        assert time.monotonic() - started < ERROR_DEADLINE_S
+        # The client gave up and closed its connection: the server cancels the request.
+        gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
+        gated_server.open_gate()
+        gated_server.wait_for("batch started: 1 rows")
+        assert client.next_token_logprobs_sync([3]).shape == (256,)  # cached by the first batch
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_fails_pending_requests_clearly_and_stops_the_server(gated_server, sig):
     with RemoteLM(gated_server.url) as computing, RemoteLM(gated_server.url) as queued:
