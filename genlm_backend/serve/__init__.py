@@ -7,6 +7,7 @@ so requests of different processes share forward passes. A client is a
 
 * :mod:`~genlm_backend.serve.protocol`: what travels (HTTP, msgpack, raw float32 rows) and the limits;
 * :mod:`~genlm_backend.serve.app`: the ASGI application (batching across clients, disconnects, shutdown);
+* :mod:`~genlm_backend.serve.asgi`: request bodies in, answers out (in slices);
 * :mod:`~genlm_backend.serve.server`: uvicorn, binding rules, signals;
 * :mod:`~genlm_backend.serve.client`: ``RemoteRunner`` and ``RemoteLM``;
 * :mod:`~genlm_backend.serve.cli`: the ``serve`` subcommand.

@@ -24,13 +24,11 @@ import torch
 from genlm_backend.errors import BackendClosedError, RequestTooLargeError
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.serve import protocol
+from genlm_backend.serve.asgi import ClientGone, Reject, read_body, send_answer, wait_for_disconnect
 from genlm_backend.serve.info import model_info
 from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
 
 Log = Callable[[str], None]
-
-SEND_CHUNK_BYTES = 1 << 20
-"""Answers are sent in slices of this size (see :func:`_send`)."""
 
 
 @dataclass(frozen=True)
@@ -49,18 +47,6 @@ class ServeStats:
     """Requests failed because the server was shutting down."""
     num_in_flight: int
     """``/v1/logprobs`` requests received and not yet answered."""
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer."""
-
-
-class _Reject(Exception):
-    """An error answer of ``kind`` (a key of :data:`protocol.ERROR_STATUS`)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class ServeApp:
@@ -124,33 +110,33 @@ class ServeApp:
         self._in_flight.add(task)
         try:
             body, content_type = await self._answer(scope, receive)
-            await _send(send, 200, body, content_type, self._model_id)
-        except _Reject as reject:
+            await send_answer(send, 200, body, content_type, self._model_id)
+        except Reject as reject:
             self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
             status = protocol.ERROR_STATUS[reject.kind]
             body = protocol.error_body(reject.kind, str(reject))
-            await _send(send, status, body, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
-        except _ClientGone:
+            await send_answer(send, status, body, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
+        except ClientGone:
             pass  # nobody to answer
         finally:
             self._in_flight.discard(task)
 
     async def _answer(self, scope, receive) -> tuple[bytes, str]:
-        """The answer's body and content type. Raises ``_Reject`` or ``_ClientGone``."""
+        """The answer's body and content type. Raises ``Reject`` or ``ClientGone``."""
         self._check_token(scope)
         if self._closing.is_set():
-            raise _Reject("ShuttingDown", self._shutdown_message())
+            raise Reject("ShuttingDown", self._shutdown_message())
         route = (scope["method"], scope["path"])
         if route == ("POST", "/v1/logprobs"):
             return await self._post_logprobs(scope, receive)
         handler = self._routes.get(route)
         if handler is None:
-            raise _Reject("NotFound", f"no endpoint {scope['method']} {scope['path']}")
-        body = await _read_body(scope, receive, self.limits.max_body_bytes)
+            raise Reject("NotFound", f"no endpoint {scope['method']} {scope['path']}")
+        body = await read_body(scope, receive, self.limits.max_body_bytes)
         try:
             return await handler(body)
         except (TypeError, ValueError) as exc:
-            raise _Reject(type(exc).__name__, str(exc)) from None
+            raise Reject(type(exc).__name__, str(exc)) from None
 
     def _check_token(self, scope) -> None:
         if self._token is None:
@@ -158,7 +144,7 @@ class ServeApp:
         sent = dict(scope["headers"]).get(protocol.TOKEN_HEADER.encode())
         if sent is None or not hmac.compare_digest(sent, self._token):
             what = "no token" if sent is None else "a wrong token"
-            raise _Reject("Unauthorized", f"this server needs its shared token; got {what}")
+            raise Reject("Unauthorized", f"this server needs its shared token; got {what}")
 
     # ------------------------------------------------------------------ endpoints
 
@@ -166,13 +152,13 @@ class ServeApp:
         self._counts["requests"] += 1
         self._num_logprobs_in_flight += 1
         try:
-            body = await _read_body(scope, receive, self.limits.max_body_bytes)
+            body = await read_body(scope, receive, self.limits.max_body_bytes)
             try:
                 request = protocol.decode_logprobs_request(body, self.limits)
             except RequestTooLargeError as exc:
-                raise _Reject("RequestTooLarge", str(exc)) from None
+                raise Reject("RequestTooLarge", str(exc)) from None
             except ValueError as exc:
-                raise _Reject("ValueError", str(exc)) from None
+                raise Reject("ValueError", str(exc)) from None
             rows = await self._until_gone_or_closing(self._compute(request), scope, receive)
         finally:
             self._num_logprobs_in_flight -= 1
@@ -204,7 +190,7 @@ class ServeApp:
     async def _until_gone_or_closing(self, work: Awaitable, scope, receive):
         """``work``'s result, unless the client goes away or the server closes first (then cancelled)."""
         compute = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_wait_for_disconnect(receive))
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             await asyncio.wait({compute, gone, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -217,11 +203,11 @@ class ServeApp:
         if not compute.cancelled():
             return _result_or_reject(compute, self._shutdown_message)
         if self._closing.is_set():
-            raise _Reject("ShuttingDown", self._shutdown_message())
+            raise Reject("ShuttingDown", self._shutdown_message())
         self._counts["cancelled"] += 1
         host, port = scope.get("client") or ("?", 0)
         self._log(f"client {host}:{port} went away: its request was cancelled")
-        raise _ClientGone
+        raise ClientGone
 
     async def _get_info(self, body: bytes) -> tuple[bytes, str]:
         info = {**self.info, "adapters": _adapter_paths(self.lm)}
@@ -278,60 +264,16 @@ class ServeApp:
 
 
 def _result_or_reject(task: asyncio.Future, shutdown_message: Callable[[], str]):
-    """``task``'s result; its error as the ``_Reject`` the client should get."""
+    """``task``'s result; its error as the ``Reject`` the client should get."""
     error = task.exception()
     if error is None:
         return task.result()
     if isinstance(error, BackendClosedError):
-        raise _Reject("ShuttingDown", shutdown_message())
+        raise Reject("ShuttingDown", shutdown_message())
     if isinstance(error, (TypeError, ValueError)):
-        raise _Reject(type(error).__name__, str(error))
-    raise _Reject("ModelError", f"{type(error).__name__}: {error}")
+        raise Reject(type(error).__name__, str(error))
+    raise Reject("ModelError", f"{type(error).__name__}: {error}")
 
 
 def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
     return {name: adapter.path for name, adapter in lm.adapters.registered().items()}
-
-
-async def _read_body(scope, receive, max_bytes: int) -> bytes:
-    """The whole request body, refused past ``max_bytes`` (by its announced length when it has one)."""
-    announced = dict(scope["headers"]).get(b"content-length")
-    if announced is not None and announced.isdigit() and int(announced) > max_bytes:
-        raise _Reject("RequestTooLarge", _too_large(int(announced), max_bytes))
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_bytes:
-            raise _Reject("RequestTooLarge", _too_large(size, max_bytes))
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _too_large(num_bytes: int, max_bytes: int) -> str:
-    return f"a request body of {num_bytes} bytes; this server takes at most {max_bytes}"
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _send(send, status: int, body: bytes, content_type: str, model_id: bytes) -> None:
-    headers = [
-        (b"content-type", content_type.encode()),
-        (b"content-length", str(len(body)).encode()),
-        (protocol.MODEL_ID_HEADER.encode(), model_id),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    # In slices: asyncio's socket transport (Python 3.11) shifts its whole buffer after
-    # each partial write, so one 12 MB write costs several times what 1 MB slices do.
-    view = memoryview(body)
-    for start in range(0, max(len(body), 1), SEND_CHUNK_BYTES):
-        more_body = start + SEND_CHUNK_BYTES < len(body)
-        chunk = bytes(view[start : start + SEND_CHUNK_BYTES])
-        await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
