@@ -144,13 +144,6 @@ def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, 
     from genlm_backend.serve import RemoteLM
 
     remote = RemoteLM(url, output_cache_bytes=0)
-    lm_stats, _ = remote.server_stats()
-    print(
-        f"server after the served run: {lm_stats.num_batches} batches, mean batch size "
-        f"{lm_stats.mean_batch_size:.1f}, tokens computed {lm_stats.num_tokens_computed} "
-        f"of {lm_stats.num_tokens_requested} requested",
-        file=sys.stderr,
-    )
     local = load_model_by_name(backend="hf")
     prompt = remote.tokenizer.encode(PROMPT)[:25]
     figures = {}
@@ -178,6 +171,60 @@ async def interleaved(remote, local, contexts, repeats: int) -> tuple[list[float
 
 # ---------------------------------------------------------------- driver
 
+SETUPS = (
+    "in-process, 1 process",
+    f"served, {NUM_PROCESSES} clients",
+    f"{NUM_PROCESSES} processes, a model each",
+)
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"])
+    return server, wait_line(server, "genlm-backend serve: listening on ")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def server_batches(url: str) -> str:
+    """The server's batches so far: "count (mean size)"."""
+    import urllib3
+
+    from genlm_backend.serve import protocol
+
+    stats = protocol.unpack(urllib3.request("GET", url + "/v1/stats").data)["lm"]
+    mean = stats["num_contexts_computed"] / max(1, stats["num_batches"])
+    return f"{stats['num_batches']} ({mean:.1f})"
+
+
+def measure_setup(setup: str, args: argparse.Namespace) -> dict:
+    """One run of ``setup`` in fresh processes: wall seconds, summed peak RSS, load seconds."""
+    p, s = args.particles, args.steps
+    if setup == SETUPS[0]:
+        wall, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
+        extra_rss, batches = 0.0, None
+    elif setup == SETUPS[1]:
+        server, url = start_server()
+        try:
+            wall, results = run_group(
+                [worker_argv(p, s, i, url, args.client_threads) for i in range(NUM_PROCESSES)]
+            )
+            extra_rss = peak_rss_mb(server.pid)
+            batches = server_batches(url)
+        finally:
+            stop_server(server)
+    else:
+        wall, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
+        extra_rss, batches = 0.0, None
+    return {
+        "server_batches": batches,
+        "wall_s": wall,
+        "rss_mb": extra_rss + sum(r["rss_mb"] for r in results),
+        "load_s": max(r["load_s"] for r in results),
+    }
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -193,60 +240,54 @@ def main() -> None:
         default=1,
         help="torch threads of each served client (default 1: a client only samples)",
     )
+    parser.add_argument("--runs", type=int, default=3, help="interleaved runs of each setup")
     parser.add_argument("--repeats", type=int, default=20, help="round trips per row count")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     if args.role == "worker":
         worker(args)
         return
-    p, s = args.particles, args.steps
-    total = NUM_PROCESSES * p * s
-    rows = []
-
-    wall, (result,) = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
-    rows.append(("in-process, 1 process", wall, result["rss_mb"], result["load_s"]))
-    print(f"in-process done: {wall:.2f} s", file=sys.stderr)
-
-    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"])
-    url = wait_line(server, "genlm-backend serve: listening on ")
+    runs: dict[str, list[dict]] = {setup: [] for setup in SETUPS}
+    for run in range(args.runs):
+        for setup in SETUPS:
+            runs[setup].append(measure_setup(setup, args))
+            print(f"run {run + 1}: {setup}: {runs[setup][-1]['wall_s']:.2f} s", file=sys.stderr)
+    server, url = start_server()
     try:
-        wall, results = run_group(
-            [worker_argv(p, s, i, url, args.client_threads) for i in range(NUM_PROCESSES)]
-        )
-        server_rss = peak_rss_mb(server.pid)
-        clients_rss = sum(r["rss_mb"] for r in results)
-        rows.append(
-            (
-                f"served, {NUM_PROCESSES} clients",
-                wall,
-                server_rss + clients_rss,
-                max(r["load_s"] for r in results),
-            )
-        )
-        print(f"served done: {wall:.2f} s", file=sys.stderr)
         trips = round_trips(url, args.repeats, args.client_threads)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_server(server)
+    report(runs, trips, args)
 
-    wall, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
-    rss = sum(r["rss_mb"] for r in results)
-    rows.append(
-        (f"{NUM_PROCESSES} processes, a model each", wall, rss, max(r["load_s"] for r in results))
-    )
 
+def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -> None:
+    p, s = args.particles, args.steps
+    total = NUM_PROCESSES * p * s
     print(
-        f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); SmolLM2-135M fp32, CPU"
+        f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); "
+        f"SmolLM2-135M fp32, CPU; median of {args.runs} interleaved runs"
     )
     print(
-        "| setup | seconds | tokens/s | vs in-process | peak RSS, all processes (MB) | load + warm-up (s) |"
+        "| setup | seconds (median) | tokens/s | vs in-process | all runs (s) "
+        "| peak RSS, all processes (MB) | load + warm-up (s) | server batches (mean size) |"
     )
-    print("|---|---|---|---|---|---|")
-    base = rows[0][1]
-    for name, wall, rss, load_s in rows:
+    print("|---|---|---|---|---|---|---|---|")
+    medians = {
+        setup: statistics.median(r["wall_s"] for r in results) for setup, results in runs.items()
+    }
+    base = medians[SETUPS[0]]
+    rows = []
+    for setup, results in runs.items():
+        wall = medians[setup]
+        rss = statistics.median(r["rss_mb"] for r in results)
+        load_s = statistics.median(r["load_s"] for r in results)
+        all_runs = ", ".join(f"{r['wall_s']:.2f}" for r in results)
+        batches = ", ".join(r["server_batches"] or "-" for r in results)
         print(
-            f"| {name} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x | {rss:.0f} | {load_s:.1f} |"
+            f"| {setup} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x | {all_runs} "
+            f"| {rss:.0f} | {load_s:.1f} | {batches} |"
         )
+        rows.append((setup, wall, rss, load_s))
     print(f"\nround trip of one batch held in the server's output cache, median of {args.repeats}")
     print("| rows | served (ms) | in-process (ms) | round trip's own cost (ms) |")
     print("|---|---|---|---|")
