@@ -137,6 +137,8 @@ class ServeApp:
             return await handler(body)
         except (TypeError, ValueError) as exc:
             raise Reject(type(exc).__name__, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. an adapter that fails to load: tell the client
+            raise Reject("ModelError", f"{type(exc).__name__}: {exc}") from None
 
     def _check_token(self, scope) -> None:
         if self._token is None:
