@@ -50,6 +50,7 @@ def test_vocabulary_and_tokenizer_match_in_process(remote, reference):
     text = "Hello, world! Ünïcode ✓"
     assert remote.tokenizer.encode(text) == reference.tokenizer.encode(text)
     assert remote.tokenizer.eos_token_id == reference.tokenizer.eos_token_id
+    assert remote.tokenizer.name_or_path == reference.tokenizer.name_or_path
     assert remote.server_backend == "mock"
 
 

@@ -29,7 +29,7 @@ from genlm_backend.llm.runner import Adapter, Request, RunnerStats
 from genlm_backend.llm.stats import LMStats
 from genlm_backend.serve import protocol
 from genlm_backend.serve.app import ServeStats
-from genlm_backend.serve.info import byte_vocab_of, load_tokenizer_files
+from genlm_backend.serve.info import byte_vocab_of, load_tokenizer
 from genlm_backend.serve.server import TOKEN_ENV
 
 REMOTE_SCHEME = "genlm://"
@@ -239,7 +239,7 @@ class RemoteLM(AsyncLM):
         )
         try:
             info = runner.fetch_info()
-            tokenizer = load_tokenizer_files(info["tokenizer_files"])
+            tokenizer = load_tokenizer(info)
         except BaseException:
             runner.close()
             raise

@@ -28,6 +28,7 @@ def model_info(lm: AsyncLM, limits: ServeLimits, model_name: str, backend: str) 
         "token_ids": _token_ids(lm.byte_vocab),
         "str_vocab": list(lm.str_vocab),
         "tokenizer_files": tokenizer_files(lm.tokenizer),
+        "tokenizer_name_or_path": getattr(lm.tokenizer, "name_or_path", None),
         "max_context_length": max_context_length,
         "max_rows": limits.max_rows,
         "max_body_bytes": limits.max_body_bytes,
@@ -72,8 +73,14 @@ def tokenizer_files(tokenizer) -> dict[str, bytes] | None:
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
-def load_tokenizer_files(files: dict[str, bytes] | None):
-    """A Hugging Face tokenizer from :func:`tokenizer_files`' output (``None`` for ``None``)."""
+def load_tokenizer(info: dict):
+    """The server's Hugging Face tokenizer from its info (``None`` where it has none).
+
+    Loaded from the files :func:`tokenizer_files` sent; its ``name_or_path`` is
+    the server's (some libraries pick per-model behaviour by it, e.g.
+    genlm-control's canonical-tokenization overrides for GPT-2).
+    """
+    files = info.get("tokenizer_files")
     if files is None:
         return None
     from transformers import AutoTokenizer
@@ -81,7 +88,10 @@ def load_tokenizer_files(files: dict[str, bytes] | None):
     with tempfile.TemporaryDirectory(prefix="genlm-remote-tokenizer-") as folder:
         for name, content in files.items():
             (Path(folder) / Path(name).name).write_bytes(content)
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if info.get("tokenizer_name_or_path") is not None:
+        tokenizer.name_or_path = info["tokenizer_name_or_path"]
+    return tokenizer
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:
