@@ -3,7 +3,9 @@
 Each batch prints ``batch started: N rows`` and then, with ``--gated``, waits
 for one line on stdin (the test's ``open_gate``) before computing, so a test
 can hold a batch in flight while it disconnects a client, kills or signals
-the server. EOF on stdin opens the gate for good.
+the server. EOF on stdin opens the gate for good. A batch holding a context
+that contains token 255 fails (a stand-in for a model error).
+``--vocab-size`` makes another model (a prefix of the 256 byte tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from genlm_backend.serve import ServeLimits, serve
 from genlm_backend.serve.server import main_log
 
 BYTE_VOCAB = [bytes([i]) for i in range(256)]
+FAILING_TOKEN = 255
 
 
 class GatedRunner(MockRunner):
@@ -27,6 +30,8 @@ class GatedRunner(MockRunner):
         print(f"batch started: {len(requests)} rows", flush=True)
         if self.is_gated:
             sys.stdin.readline()
+        if any(FAILING_TOKEN in request.context for request in requests):
+            raise RuntimeError("the model failed this batch")
         return super().run(requests)
 
 
@@ -38,8 +43,9 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=256)
     parser.add_argument("--max-context-length", type=int, default=None)
     parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    parser.add_argument("--vocab-size", type=int, default=len(BYTE_VOCAB))
     args = parser.parse_args()
-    lm = MockAsyncLM(byte_vocab=BYTE_VOCAB)
+    lm = MockAsyncLM(byte_vocab=BYTE_VOCAB[: args.vocab_size])
     lm.runner = GatedRunner(lm.vocab_size, lm.device, args.gated)
     limits = ServeLimits(args.max_rows, args.max_context_length, args.max_body_bytes)
     log = main_log("gated server")

@@ -7,6 +7,7 @@ same tokenizer: every row must be the same float32 bytes.
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import torch
@@ -145,3 +146,16 @@ async def test_close_and_context_managers(server):
         lm.next_token_logprobs_sync(context)
     with RemoteLM(server.url) as lm:  # the server outlives its clients
         assert lm.next_token_logprobs_sync(context).shape == (lm.vocab_size,)
+
+
+def test_the_command_stops_cleanly_on_sigterm():
+    server = ServerProcess.cli("--backend", "mock", "--port", "0")
+    try:
+        with RemoteLM(server.url) as lm:
+            lm.batch_next_token_logprobs_sync([[1], [2], [3]])
+        server.send_signal(signal.SIGTERM)
+        assert server.wait_exit() == 0
+        server.wait_for(r"shutting down \(SIGTERM\): failing 0 request")
+        server.wait_for(r"stopped after 1 requests \(3 rows served, 0 failed by the shutdown\)")
+    finally:
+        server.stop()

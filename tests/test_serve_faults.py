@@ -18,13 +18,15 @@ import urllib3
 from genlm_backend import MockAsyncLM
 from genlm_backend.cli import main as cli_main
 from genlm_backend.errors import (
+    RemoteModelError,
     RequestTooLargeError,
+    ServerModelChangedError,
     ServerRejectedError,
     ServerUnavailableError,
 )
 from genlm_backend.serve import RemoteLM, protocol
 from genlm_backend.serve.server import check_binding, is_loopback
-from tests.serve_gated_server import BYTE_VOCAB
+from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
 from tests.serve_support import ServerProcess, in_thread, process_env, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,4 +227,34 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
             with pytest.raises(RequestTooLargeError, match="at most 4"):
                 lm.runner.run([lm._requests([[1]], None)[0]] * 5)
     finally:
+        server.stop()
+
+
+def test_a_model_error_fails_its_batch_only_and_the_server_goes_on(reference):
+    server = ServerProcess.gated()
+    try:
+        with RemoteLM(server.url) as client:
+            with pytest.raises(RemoteModelError, match="RuntimeError: the model failed this batch"):
+                client.next_token_logprobs_sync([1, FAILING_TOKEN])
+            assert torch.equal(
+                client.next_token_logprobs_sync([1, 2]), reference.next_token_logprobs_sync([1, 2])
+            )
+    finally:
+        server.stop()
+
+
+def test_a_server_back_with_another_model_is_refused():
+    server = ServerProcess.gated()
+    client = RemoteLM(server.url)
+    try:
+        client.next_token_logprobs_sync([1])
+        server.stop()
+        other = ServerProcess.gated("--port", str(server.port), "--vocab-size", "128")
+        try:
+            with pytest.raises(ServerModelChangedError, match="now serves another model"):
+                client.next_token_logprobs_sync([2])
+        finally:
+            other.stop()
+    finally:
+        client.close()
         server.stop()
