@@ -148,10 +148,12 @@ async def test_close_and_context_managers(server):
         assert lm.next_token_logprobs_sync(context).shape == (lm.vocab_size,)
 
 
-def test_the_command_stops_cleanly_on_sigterm():
-    server = ServerProcess.cli("--backend", "mock", "--port", "0")
+def test_the_command_passes_llm_opts_and_stops_cleanly_on_sigterm():
+    options = '{"max_context_length": 64}'
+    server = ServerProcess.cli("--backend", "mock", "--port", "0", "--llm-opts", options)
     try:
         with RemoteLM(server.url) as lm:
+            assert lm.max_context_length == 64
             lm.batch_next_token_logprobs_sync([[1], [2], [3]])
         server.send_signal(signal.SIGTERM)
         assert server.wait_exit() == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"file holding the shared token (default: ${TOKEN_ENV} if set, else no token)",
     )
+    parser.add_argument(
+        "--llm-opts",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="options for the backend, as load_model_by_name's llm_opts, e.g. "
+        """'{"kv_cache_bytes": 8589934592, "output_cache_bytes": 2147483648}' """,
+    )
     defaults = ServeLimits()
     parser.add_argument(
         "--max-rows",
@@ -80,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log = main_log("genlm-backend serve")
     backend = args.backend or default_backend()
     log(f"loading {args.model or 'the default model'} on the {backend} backend")
-    lm = load_model_by_name(args.model, backend=backend)
+    lm = load_model_by_name(args.model, backend=backend, llm_opts=args.llm_opts)
     try:
         app = serve(
             lm,
@@ -101,6 +110,16 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{stats.num_failed_by_shutdown} failed by the shutdown)"
     )
     return 0
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def read_token(token_file: Path | None) -> str | None:
