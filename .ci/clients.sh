@@ -7,7 +7,9 @@
 # Tests that need a GPU, MLX, SGLang or vLLM, or assets that cannot exist
 # offline, are deselected with their reason (.ci/clients/not_runnable.txt); so are
 # the documented departures from upstream (.ci/clients/known_departures.txt).
-# Every other test must pass.
+# Every other test must pass. Then genlm-control runs through `genlm-backend serve`
+# processes: tests/test_serve_control.py, and genlm-control's test_llm.py and
+# test_canonical.py with their models served (.ci/clients/through_server.py).
 #
 # CLIENTS_BACKEND=upstream runs the same suites on upstream genlm-backend 0.3.1
 # (no alias, no known departures): the baseline that the departures are measured against.
@@ -76,6 +78,16 @@ for suite in $suites; do
     "$python" "$repo/.ci/clients/run_suite.py" --backend "$backend" --sdists "$sdists" \
         --work "$work" "$suite" || status=1
 done
+# 6. genlm-control through `genlm-backend serve` processes: AWRS SMC samples what it
+#    samples in-process (tests/test_serve_control.py), and a selection of genlm-control's
+#    own suite runs with every transformers model it loads served (.ci/clients/through_server.py).
+if [ "$backend" = "ours" ] && [[ " $suites " == *" control "* ]]; then
+    (cd "$repo" && "$python" -m pytest -q -p no:cacheprovider tests/test_serve_control.py) || status=1
+    (cd "$work/src/ours/genlm_control-0.4.1" &&
+        PYTHONPATH="$repo/.ci/clients" "$python" -m pytest -q -p no:cacheprovider \
+            -p genlm_backend.alias -p through_server --timeout="$CLIENTS_TEST_TIMEOUT_S" \
+            tests/potential/test_llm.py tests/potential/test_canonical.py) || status=1
+fi
 "$python" "$repo/.ci/clients/run_suite.py" --summary --work "$work" --backend "$backend"
 echo "client suites ($backend) finished in $(( $(date +%s) - start )) s"
 exit $status

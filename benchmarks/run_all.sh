@@ -21,6 +21,8 @@ python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particle
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/trie_2threads.md"
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
 python benchmarks/bench_vocab.py | tee "$out/vocab.md"
+python benchmarks/bench_transport.py | tee "$out/transport.md"
+python benchmarks/bench_serve.py --particles 16 --steps 16 --runs 3 --plot benchmarks/serve.png | tee "$out/serve.md"
 python benchmarks/bench_vllm.py | tee "$out/vllm.md"
 python benchmarks/bench_vllm.py --steps 8 | tee "$out/vllm_8steps.md"
 python -m pytest tests/stress -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/stress.md"

@@ -23,6 +23,8 @@ import genlm_backend
 from genlm_backend.errors import GenlmBackendError
 from genlm_backend.install_vllm import add_arguments as add_install_arguments
 from genlm_backend.install_vllm import install_vllm_cpu
+from genlm_backend.serve.cli import add_arguments as add_serve_arguments
+from genlm_backend.serve.cli import run_serve
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -72,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(next_token)
     next_token.set_defaults(run=run_next)
+
+    serve = commands.add_parser(
+        "serve", help="hold one model and serve it to many client processes (genlm://HOST:PORT)"
+    )
+    _add_model_arguments(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
 
     install = commands.add_parser(
         "install-vllm-cpu",

@@ -62,3 +62,47 @@ class CaptureError(GenlmBackendError, RuntimeError):
 
     Fails only the batch it concerns; the message says how many rows were missing.
     """
+
+
+class ServerUnavailableError(GenlmBackendError, ConnectionError):
+    """Raised by a :class:`~genlm_backend.serve.RemoteLM` call when its server cannot answer.
+
+    Raised when the server cannot be reached (within the client's
+    ``connect_timeout_s``), closes the connection mid-request (it stopped or
+    crashed), gives no answer within ``read_timeout_s``, or fails the request
+    because it is shutting down. Every request of the round trip concerned
+    gets it; the next call connects afresh, so a server that comes back is
+    used again without rebuilding the client.
+    """
+
+
+class ServerRejectedError(GenlmBackendError, PermissionError):
+    """Raised by a :class:`~genlm_backend.serve.RemoteLM` whose server refused its token.
+
+    The message says whether a token was sent; the server's token comes from
+    ``GENLM_SERVE_TOKEN`` or ``--token-file`` (see ``genlm-backend serve --help``).
+    """
+
+
+class RequestTooLargeError(GenlmBackendError, ValueError):
+    """Raised when a request to a ``genlm-backend serve`` server exceeds one of its limits.
+
+    The limits are rows per request, tokens per context and body bytes; the
+    message names the limit and the value sent. Only that request fails.
+    """
+
+
+class RemoteModelError(GenlmBackendError, RuntimeError):
+    """Raised by a :class:`~genlm_backend.serve.RemoteLM` when the server's model failed its batch.
+
+    The message carries the server-side exception's class and message (e.g.
+    an out-of-memory error); only the requests of that batch fail.
+    """
+
+
+class ServerModelChangedError(ServerUnavailableError):
+    """Raised when a :class:`~genlm_backend.serve.RemoteLM` reconnects to a server with another model.
+
+    The client's vocabulary and cached rows belong to the model it first
+    connected to; build a new client for the new one.
+    """

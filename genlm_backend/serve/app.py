@@ -1,0 +1,281 @@
+"""The server's ASGI application: every client's requests go into one :class:`AsyncLM`.
+
+All connections are served on one event loop, so the ``AsyncLM``'s batcher
+sees every client's pending contexts at once and batches them together. The
+data path of one ``/v1/logprobs`` request::
+
+    token check -> body (size-limited) -> decode + limits -> lm.batch_next_token_logprobs
+        (raced against the client's disconnect and the server's shutdown) -> float32 bytes
+
+A client that disconnects cancels its request: contexts still queued are
+dropped before they cost model work. A shutdown fails every request in flight
+with a ``ShuttingDown`` answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from genlm_backend.errors import BackendClosedError, RequestTooLargeError
+from genlm_backend.llm.base import AsyncLM
+from genlm_backend.serve import protocol
+from genlm_backend.serve.asgi import ClientGone, Reject, read_body, send_answer, wait_for_disconnect
+from genlm_backend.serve.info import model_info
+from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServeStats:
+    """A snapshot of a server's own counters (the model's are its ``AsyncLM``'s ``stats``)."""
+
+    num_requests: int
+    """``/v1/logprobs`` requests received (each is one client round trip)."""
+    num_rows_served: int
+    """Rows sent back."""
+    num_rejected: int
+    """Requests answered with an error (bad input, over a limit, wrong token, model error)."""
+    num_cancelled_by_disconnect: int
+    """Requests whose client went away before the answer."""
+    num_failed_by_shutdown: int
+    """Requests failed because the server was shutting down."""
+    num_in_flight: int
+    """``/v1/logprobs`` requests received and not yet answered."""
+
+
+class ServeApp:
+    """ASGI application serving one :class:`AsyncLM` to many clients.
+
+    Args:
+        lm: The model; owned by the caller until :meth:`begin_shutdown` closes it.
+        limits: Per-request limits; its ``max_context_length`` defaults to the model's.
+        token: Shared secret every request must carry (``Authorization: Bearer``); ``None``: none asked.
+        model_name: Shown to clients (``RemoteLM.model_name``).
+        log: Where event lines go (a client went away, shutdown).
+    """
+
+    def __init__(
+        self,
+        lm: AsyncLM,
+        limits: ServeLimits,
+        *,
+        token: str | None = None,
+        model_name: str = "",
+        backend: str = "",
+        log: Log = print,
+    ):
+        self.lm = lm
+        self.limits = limits
+        self._token = None if token is None else f"Bearer {token}".encode()
+        self._log = log
+        self.info = model_info(lm, limits, model_name, backend)
+        self._model_id = self.info["model_id"].encode()
+        self._closing = asyncio.Event()
+        self._closing_reason = ""
+        self._in_flight: set[asyncio.Task] = set()
+        self._num_logprobs_in_flight = 0
+        self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
+        self._routes: dict[tuple[str, str], Callable[[bytes], Awaitable[tuple[bytes, str]]]] = {
+            ("GET", "/v1/info"): self._get_info,
+            ("GET", "/v1/stats"): self._get_stats,
+            ("POST", "/v1/lora"): self._post_lora,
+            ("POST", "/v1/clear"): self._post_clear,
+        }
+
+    @property
+    def stats(self) -> ServeStats:
+        c = self._counts
+        return ServeStats(
+            num_requests=c["requests"],
+            num_rows_served=c["rows"],
+            num_rejected=c["rejected"],
+            num_cancelled_by_disconnect=c["cancelled"],
+            num_failed_by_shutdown=c["shutdown"],
+            num_in_flight=self._num_logprobs_in_flight,
+        )
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        task = asyncio.current_task()
+        assert task is not None  # an ASGI app always runs in a task
+        self._in_flight.add(task)
+        try:
+            body, content_type = await self._answer(scope, receive)
+            await send_answer(send, 200, body, content_type, self._model_id)
+        except Reject as reject:
+            self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
+            status = protocol.ERROR_STATUS[reject.kind]
+            body = protocol.error_body(reject.kind, str(reject))
+            await send_answer(send, status, body, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
+        except ClientGone:
+            pass  # nobody to answer
+        finally:
+            self._in_flight.discard(task)
+
+    async def _answer(self, scope, receive) -> tuple[bytes, str]:
+        """The answer's body and content type. Raises ``Reject`` or ``ClientGone``."""
+        self._check_token(scope)
+        if self._closing.is_set():
+            raise Reject("ShuttingDown", self._shutdown_message())
+        route = (scope["method"], scope["path"])
+        if route == ("POST", "/v1/logprobs"):
+            return await self._post_logprobs(scope, receive)
+        handler = self._routes.get(route)
+        if handler is None:
+            raise Reject("NotFound", f"no endpoint {scope['method']} {scope['path']}")
+        body = await read_body(scope, receive, self.limits.max_body_bytes)
+        try:
+            return await handler(body)
+        except (TypeError, ValueError) as exc:
+            raise Reject(type(exc).__name__, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. an adapter that fails to load: tell the client
+            raise Reject("ModelError", f"{type(exc).__name__}: {exc}") from None
+
+    def _check_token(self, scope) -> None:
+        if self._token is None:
+            return
+        sent = dict(scope["headers"]).get(protocol.TOKEN_HEADER.encode())
+        if sent is None or not hmac.compare_digest(sent, self._token):
+            what = "no token" if sent is None else "a wrong token"
+            raise Reject("Unauthorized", f"this server needs its shared token; got {what}")
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
+        self._counts["requests"] += 1
+        self._num_logprobs_in_flight += 1
+        try:
+            body = await read_body(scope, receive, self.limits.max_body_bytes)
+            try:
+                request = protocol.decode_logprobs_request(body, self.limits)
+            except RequestTooLargeError as exc:
+                raise Reject("RequestTooLarge", str(exc)) from None
+            except ValueError as exc:
+                raise Reject("ValueError", str(exc)) from None
+            rows = await self._until_gone_or_closing(self._compute(request), scope, receive)
+        finally:
+            self._num_logprobs_in_flight -= 1
+        self._counts["rows"] += rows.shape[0]
+        return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
+
+    async def _compute(self, request: LogprobsRequest) -> torch.Tensor:
+        """The request's rows, ``[len(contexts), V]``; contexts of each adapter go in one call."""
+        lm = self.lm
+        if request.uncached:
+            row = await asyncio.to_thread(
+                lm.next_token_logprobs_uncached, request.contexts[0], request.lora_names[0]
+            )
+            return row[None]
+        groups: dict[str | None, list[int]] = {}
+        for position, name in enumerate(request.lora_names):
+            groups.setdefault(name, []).append(position)
+        results = await asyncio.gather(
+            *(
+                lm.batch_next_token_logprobs([request.contexts[i] for i in positions], name)
+                for name, positions in groups.items()
+            )
+        )
+        rows = torch.empty(len(request.contexts), lm.vocab_size, dtype=torch.float32)
+        for positions, group_rows in zip(groups.values(), results):
+            rows[positions] = group_rows.to("cpu")
+        return rows
+
+    async def _until_gone_or_closing(self, work: Awaitable, scope, receive):
+        """``work``'s result, unless the client goes away or the server closes first (then cancelled)."""
+        compute = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({compute, gone, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            closing.cancel()
+            if not compute.done():
+                compute.cancel()
+            await asyncio.gather(compute, gone, closing, return_exceptions=True)
+        if not compute.cancelled():
+            return _result_or_reject(compute, self._shutdown_message)
+        if self._closing.is_set():
+            raise Reject("ShuttingDown", self._shutdown_message())
+        self._counts["cancelled"] += 1
+        host, port = scope.get("client") or ("?", 0)
+        self._log(f"client {host}:{port} went away: its request was cancelled")
+        raise ClientGone
+
+    async def _get_info(self, body: bytes) -> tuple[bytes, str]:
+        info = {**self.info, "adapters": _adapter_paths(self.lm)}
+        return protocol.pack(info), protocol.MSGPACK_CONTENT_TYPE
+
+    async def _get_stats(self, body: bytes) -> tuple[bytes, str]:
+        lm_stats = asdict(self.lm.stats)
+        return protocol.pack(
+            {"lm": lm_stats, "server": asdict(self.stats)}
+        ), protocol.MSGPACK_CONTENT_TYPE
+
+    async def _post_lora(self, body: bytes) -> tuple[bytes, str]:
+        fields = protocol.unpack(body)
+        op, name, path = fields.get("op"), fields.get("name"), fields.get("path", "")
+        if not (isinstance(name, str) and isinstance(path, str)):
+            raise ValueError("malformed request body: 'name' and 'path' must be strings")
+        if op == "add":
+            await asyncio.to_thread(self.lm.add_new_lora, path, name)
+        elif op == "remove":
+            await asyncio.to_thread(self.lm.remove_lora, name)
+        else:
+            raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
+        return protocol.pack({"adapters": _adapter_paths(self.lm)}), protocol.MSGPACK_CONTENT_TYPE
+
+    async def _post_clear(self, body: bytes) -> tuple[bytes, str]:
+        what = protocol.unpack(body).get("what")
+        if what not in ("all", "kv"):
+            raise ValueError(f"malformed request body: 'what' must be 'all' or 'kv', got {what!r}")
+        clear = self.lm.clear_cache if what == "all" else self.lm.clear_kv_cache
+        await asyncio.to_thread(clear)
+        return protocol.pack({}), protocol.MSGPACK_CONTENT_TYPE
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def begin_shutdown(self, reason: str, grace_s: float = 5.0) -> None:
+        """Fail every request in flight with ``ShuttingDown`` (naming ``reason``), then close the model.
+
+        Waits up to ``grace_s`` for those answers to be sent. Idempotent.
+        """
+        if self._closing.is_set():
+            return
+        self._closing_reason = reason
+        num_pending = len(self._in_flight)
+        self._closing.set()
+        self._log(f"shutting down ({reason}): failing {num_pending} request(s) in flight")
+        pending = {task for task in self._in_flight if task is not asyncio.current_task()}
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        await self.lm.aclose()
+
+    def _shutdown_message(self) -> str:
+        reason = f" ({self._closing_reason})" if self._closing_reason else ""
+        return f"the server is shutting down{reason}; this request was not computed"
+
+
+def _result_or_reject(task: asyncio.Future, shutdown_message: Callable[[], str]):
+    """``task``'s result; its error as the ``Reject`` the client should get."""
+    error = task.exception()
+    if error is None:
+        return task.result()
+    if isinstance(error, BackendClosedError):
+        raise Reject("ShuttingDown", shutdown_message())
+    if isinstance(error, (TypeError, ValueError)):
+        raise Reject(type(error).__name__, str(error))
+    raise Reject("ModelError", f"{type(error).__name__}: {error}")
+
+
+def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
+    return {name: adapter.path for name, adapter in lm.adapters.registered().items()}

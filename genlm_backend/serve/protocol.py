@@ -1,0 +1,197 @@
+"""What travels between a ``genlm-backend serve`` server and a :class:`RemoteLM`, and its limits.
+
+HTTP/1.1, one POST per batch. Request bodies and small answers are msgpack
+maps; token ids travel as ``int32`` little-endian bytes and log-probability
+rows as raw ``float32`` little-endian bytes, ``[rows, vocab]`` in C order
+(never as text). Every answer that is not rows is a msgpack map; a failure is
+``{"kind": ..., "message": ...}`` with an HTTP status (see :data:`ERROR_STATUS`).
+
+Endpoints (all under ``/v1``):
+
+* ``GET /v1/info``: the model's identity, vocabulary, tokenizer files, limits, adapters.
+* ``POST /v1/logprobs``: ``{"lengths": [int], "ids": bytes, "lora_names": [str | None],
+  "uncached": bool}`` -> rows ``[len(lengths), vocab]``.
+* ``POST /v1/lora``: ``{"op": "add" | "remove", "name": str, "path": str}``.
+* ``POST /v1/clear``: ``{"what": "all" | "kv"}``.
+* ``GET /v1/stats``: ``{"lm": LMStats fields, "server": ServeStats fields}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+
+PROTOCOL_VERSION = 1
+TOKEN_HEADER = "authorization"
+MODEL_ID_HEADER = "x-genlm-model-id"
+ROWS_CONTENT_TYPE = "application/x-float32-le"
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+DEFAULT_PORT = 8765
+
+ERROR_STATUS = {
+    "TypeError": 400,  # a context of the wrong type
+    "ValueError": 400,  # a bad token id, unknown adapter, malformed body
+    "Unauthorized": 401,  # missing or wrong token
+    "NotFound": 404,
+    "RequestTooLarge": 413,  # over a ServeLimits limit
+    "ModelError": 500,  # the model failed the batch
+    "ShuttingDown": 503,  # the server is stopping; the request was not computed
+}
+"""HTTP status of each error kind."""
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request to the server may ask for; anything more fails that request alone.
+
+    Attributes:
+        max_rows: Most contexts in one request (a client's batch never holds more).
+        max_context_length: Most tokens in one context; ``None``: the model's own limit.
+        max_body_bytes: Most bytes of one request body (4 bytes a token plus a small header).
+
+    Raises:
+        ValueError: a limit < 1.
+    """
+
+    max_rows: int = 256
+    max_context_length: int | None = None
+    max_body_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_context_length", "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """Most context tokens a client may put in one body (ids plus a generous header)."""
+        return max(1, (self.max_body_bytes - 64 * self.max_rows - 1024) // 4)
+
+
+@dataclass(frozen=True)
+class LogprobsRequest:
+    """A decoded ``/v1/logprobs`` body: contexts with their adapter names."""
+
+    contexts: list[list[int]]
+    lora_names: list[str | None]
+    uncached: bool
+
+
+# ---------------------------------------------------------------- msgpack maps
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(body: bytes) -> dict:
+    """A msgpack map from ``body``.
+
+    Raises:
+        ValueError: not a msgpack map.
+    """
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed request body: not msgpack ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"malformed request body: expected a map, got {type(obj).__name__}")
+    return obj
+
+
+def error_body(kind: str, message: str) -> bytes:
+    return pack({"kind": kind, "message": message})
+
+
+# ---------------------------------------------------------------- logprobs requests
+
+
+def encode_logprobs_request(
+    contexts: Sequence[Sequence[int]], lora_names: Sequence[str | None], uncached: bool = False
+) -> bytes:
+    """The body of a ``/v1/logprobs`` request (ids as ``int32`` little-endian bytes)."""
+    lengths = [len(context) for context in contexts]
+    flat = [token for context in contexts for token in context]
+    ids = np.asarray(flat, dtype="<i4").tobytes()
+    return pack(
+        {"lengths": lengths, "ids": ids, "lora_names": list(lora_names), "uncached": uncached}
+    )
+
+
+def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest:
+    """Check a ``/v1/logprobs`` body against its schema and ``limits``.
+
+    Token ids are not checked against the vocabulary here: the server's
+    ``AsyncLM`` validates them as it would in-process.
+
+    Raises:
+        RequestTooLargeError: more rows or a longer context than ``limits`` allow.
+        ValueError: a malformed body (the message says what is wrong).
+    """
+    from genlm_backend.errors import RequestTooLargeError
+
+    fields = unpack(body)
+    lengths, ids, lora_names = fields.get("lengths"), fields.get("ids"), fields.get("lora_names")
+    uncached = fields.get("uncached", False)
+    if not (isinstance(lengths, list) and all(_is_int(n) and n >= 0 for n in lengths)):
+        raise ValueError("malformed request body: 'lengths' must be a list of ints >= 0")
+    if not isinstance(ids, bytes) or len(ids) % 4:
+        raise ValueError("malformed request body: 'ids' must be int32 bytes")
+    if not isinstance(lora_names, list) or len(lora_names) != len(lengths):
+        raise ValueError("malformed request body: 'lora_names' must have one entry per context")
+    if not all(name is None or isinstance(name, str) for name in lora_names):
+        raise ValueError("malformed request body: each lora name must be a str or nil")
+    if not isinstance(uncached, bool) or (uncached and len(lengths) != 1):
+        raise ValueError("malformed request body: 'uncached' is a bool, for one context")
+    if sum(lengths) * 4 != len(ids):
+        raise ValueError(
+            f"malformed request body: lengths sum to {sum(lengths)} tokens, ids hold {len(ids) // 4}"
+        )
+    if len(lengths) > limits.max_rows:
+        raise RequestTooLargeError(
+            f"{len(lengths)} contexts in one request; this server takes at most {limits.max_rows}"
+        )
+    longest = max(lengths, default=0)
+    if limits.max_context_length is not None and longest > limits.max_context_length:
+        raise RequestTooLargeError(
+            f"a context of {longest} tokens; this server takes at most {limits.max_context_length}"
+        )
+    flat = np.frombuffer(ids, dtype="<i4").tolist()
+    offsets = np.cumsum([0, *lengths]).tolist()
+    contexts = [flat[start:end] for start, end in itertools.pairwise(offsets)]
+    return LogprobsRequest(contexts, lora_names, uncached)
+
+
+# ---------------------------------------------------------------- rows
+
+
+def encode_rows(rows: torch.Tensor) -> bytes:
+    """``float32`` ``[B, V]`` rows (any device) -> their little-endian bytes, C order."""
+    array = rows.detach().to("cpu", torch.float32).contiguous().numpy()
+    return array.astype("<f4", copy=False).tobytes()
+
+
+def decode_rows(content: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """Bytes from :func:`encode_rows` -> a fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor.
+
+    Raises:
+        ValueError: ``content`` is not ``num_rows * vocab_size`` floats.
+    """
+    expected = 4 * num_rows * vocab_size
+    if len(content) != expected:
+        raise ValueError(f"expected {expected} bytes of rows, got {len(content)}")
+    array = np.frombuffer(content, dtype="<f4").reshape(num_rows, vocab_size)
+    if sys.byteorder != "little":
+        array = array.astype(np.float32)
+    return torch.from_numpy(array.copy())
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,145 @@
+"""Running a :class:`ServeApp` on uvicorn: binding rules, the "listening" line, signal-driven shutdown.
+
+uvicorn's own signal handling waits for requests to finish; a server whose
+requests may wait for a long batch should instead fail them at once with a
+clear answer. :class:`_Server` therefore routes SIGINT/SIGTERM to
+:meth:`ServeApp.begin_shutdown` first and stops uvicorn after it. A second
+signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from genlm_backend.llm.base import AsyncLM
+from genlm_backend.serve.app import Log, ServeApp
+from genlm_backend.serve.protocol import ServeLimits
+
+TOKEN_ENV = "GENLM_SERVE_TOKEN"
+"""Environment variable holding the shared token, on the server and on clients."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, ``127.0.0.0/8``, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def check_binding(host: str, allow_remote: bool, token: str | None) -> None:
+    """Refuse a non-loopback ``host`` unless ``allow_remote`` and a token are both given.
+
+    Raises:
+        ValueError: the message says which of the two is missing.
+    """
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise ValueError(
+            f"--host {host} is not a loopback address: anyone who can reach it could use the "
+            "model; pass --allow-remote (and a shared token) to serve other machines"
+        )
+    if not token:
+        raise ValueError(
+            f"serving on {host} needs a shared token: set {TOKEN_ENV} or pass --token-file"
+        )
+
+
+def serve(
+    lm: AsyncLM,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: ServeLimits | None = None,
+    token: str | None = None,
+    allow_remote: bool = False,
+    model_name: str = "",
+    backend: str = "",
+    log: Log = print,
+) -> ServeApp:
+    """Serve ``lm`` until SIGINT or SIGTERM; returns the app (its ``stats``) once stopped.
+
+    Prints ``listening on http://HOST:PORT`` through ``log`` once connections
+    are accepted (``port=0`` picks a free port). On a signal, requests in flight
+    fail with a ``ShuttingDown`` answer, ``lm`` is closed, and the server stops.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without ``allow_remote`` and ``token``.
+        SystemExit: the port could not be bound (uvicorn logs why).
+    """
+    check_binding(host, allow_remote, token)
+    app = ServeApp(
+        lm, limits or ServeLimits(), token=token, model_name=model_name, backend=backend, log=log
+    )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    asyncio.run(_Server(config, app, log).serve())
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with our shutdown on the first signal and the listening line on stdout."""
+
+    def __init__(self, config: uvicorn.Config, app: ServeApp, log: Log):
+        super().__init__(config)
+        self.app = app
+        self._log = log
+        self._shutdown: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            self._log(f"listening on http://{shown}:{port}")
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        handled = (signal.SIGINT, signal.SIGTERM)
+        for sig in handled:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._shutdown is not None:
+            self.force_exit = True  # a second signal: stop without waiting
+            return
+        reason = signal.Signals(sig).name
+        self._shutdown = asyncio.get_running_loop().create_task(self._shut_down(reason))
+
+    async def _shut_down(self, reason: str) -> None:
+        try:
+            await self.app.begin_shutdown(reason)
+        finally:
+            self.should_exit = True
+
+
+def main_log(prefix: str) -> Log:
+    """A ``log`` that prints ``prefix: message`` lines to stdout, flushed (tests wait for them)."""
+
+    def log(message: str) -> None:
+        print(f"{prefix}: {message}", file=sys.stdout, flush=True)
+
+    return log

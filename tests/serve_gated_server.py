@@ -1,0 +1,57 @@
+"""A server for the fault tests: a mock model over 256 byte tokens whose batches wait for a gate.
+
+Each batch prints ``batch started: N rows`` and then, with ``--gated``, waits
+for one line on stdin (the test's ``open_gate``) before computing, so a test
+can hold a batch in flight while it disconnects a client, kills or signals
+the server. EOF on stdin opens the gate for good. A batch holding a context
+that contains token 255 fails (a stand-in for a model error).
+``--vocab-size`` makes another model (a prefix of the 256 byte tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from genlm_backend.llm.mock import MockAsyncLM, MockRunner
+from genlm_backend.serve import ServeLimits, serve
+from genlm_backend.serve.server import main_log
+
+BYTE_VOCAB = [bytes([i]) for i in range(256)]
+FAILING_TOKEN = 255
+
+
+class GatedRunner(MockRunner):
+    def __init__(self, vocab_size, device, is_gated: bool):
+        super().__init__(vocab_size, device)
+        self.is_gated = is_gated
+
+    def run(self, requests):
+        print(f"batch started: {len(requests)} rows", flush=True)
+        if self.is_gated:
+            sys.stdin.readline()
+        if any(FAILING_TOKEN in request.context for request in requests):
+            raise RuntimeError("the model failed this batch")
+        return super().run(requests)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--gated", action="store_true")
+    parser.add_argument("--token", default=None)
+    parser.add_argument("--max-rows", type=int, default=256)
+    parser.add_argument("--max-context-length", type=int, default=None)
+    parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    parser.add_argument("--vocab-size", type=int, default=len(BYTE_VOCAB))
+    args = parser.parse_args()
+    lm = MockAsyncLM(byte_vocab=BYTE_VOCAB[: args.vocab_size])
+    lm.runner = GatedRunner(lm.vocab_size, lm.device, args.gated)
+    limits = ServeLimits(args.max_rows, args.max_context_length, args.max_body_bytes)
+    log = main_log("gated server")
+    serve(lm, port=args.port, limits=limits, token=args.token, backend="mock", log=log)
+    log("stopped")
+
+
+if __name__ == "__main__":
+    main()

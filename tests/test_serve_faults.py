@@ -1,0 +1,260 @@
+"""Trust and faults of ``genlm-backend serve``, each with real processes on 127.0.0.1.
+
+The server is ``serve_gated_server.py``: a mock model over 256 byte tokens
+whose batches, with ``--gated``, wait for the test to open a gate. So a
+test can hold a batch in flight, then disconnect a client, kill or signal
+the server, in a known order (waits are on the server's output lines).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+import urllib3
+
+from genlm_backend import MockAsyncLM
+from genlm_backend.cli import main as cli_main
+from genlm_backend.errors import (
+    RemoteModelError,
+    RequestTooLargeError,
+    ServerModelChangedError,
+    ServerRejectedError,
+    ServerUnavailableError,
+)
+from genlm_backend.serve import RemoteLM, protocol
+from genlm_backend.serve.server import check_binding, is_loopback
+from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
+from tests.serve_support import ServerProcess, in_thread, process_env, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+ERROR_DEADLINE_S = 10.0  # a client learns that its server went away within this
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return MockAsyncLM(byte_vocab=BYTE_VOCAB)
+
+
+@pytest.fixture
+def gated_server():
+    server = ServerProcess.gated("--gated")
+    yield server
+    server.stop()
+
+
+def test_requests_of_different_clients_share_one_batch(gated_server):
+    """While batch 1 computes, two client processes queue 8 rows each: batch 2 holds all 16."""
+    script = (
+        "import sys; from genlm_backend.serve import RemoteLM\n"
+        "lm = RemoteLM(sys.argv[1])\n"
+        "rows = lm.batch_next_token_logprobs_sync([[int(sys.argv[2]), t] for t in range(8)])\n"
+        "print('rows', tuple(rows.shape), flush=True)\n"
+    )
+    with RemoteLM(gated_server.url) as first:
+        thread, _ = in_thread(first.next_token_logprobs_sync, [1])
+        gated_server.wait_for("batch started: 1 rows")
+        clients = [ServerProcess(["-c", script, gated_server.url, str(i)]) for i in (2, 3)]
+        try:
+            # Both clients' contexts are in the server's batcher (validated and submitted).
+            wait_until(lambda: first.server_stats()[0].num_requests == 1 + 16, timeout_s=60)
+            gated_server.open_gate(2)
+            gated_server.wait_for("batch started: 16 rows")
+            for client in clients:
+                client.wait_for(r"rows \(8, 256\)")
+        finally:
+            for client in clients:
+                client.stop()
+        thread.join(timeout=10)
+
+
+def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
+    script = (
+        "import sys; from genlm_backend.serve import RemoteLM\n"
+        "lm = RemoteLM(sys.argv[1]); print('connected', flush=True)\n"
+        "lm.batch_next_token_logprobs_sync([[5, t] for t in range(3)])\n"
+    )
+    with RemoteLM(gated_server.url) as survivor:
+        thread, outcome = in_thread(survivor.next_token_logprobs_sync, [1])
+        gated_server.wait_for("batch started: 1 rows")
+        leaving = ServerProcess(["-c", script, gated_server.url])
+        try:
+            wait_until(lambda: survivor.server_stats()[0].num_requests == 1 + 3, timeout_s=60)
+            leaving.process.kill()
+            gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
+        finally:
+            leaving.stop()
+        gated_server.open_gate()
+        thread.join(timeout=10)
+        assert outcome["result"].shape == (256,)
+        lm_stats, serve_stats = survivor.server_stats()
+    assert lm_stats.num_contexts_computed == 1  # the 3 queued contexts cost no model work
+    assert serve_stats.num_cancelled_by_disconnect == 1
+    assert serve_stats.num_in_flight == 0
+
+
+def test_a_server_that_dies_fails_the_client_once_and_is_used_again_when_back(reference):
+    server = ServerProcess.gated("--gated")
+    try:
+        client = RemoteLM(server.url)
+        thread, outcome = in_thread(client.next_token_logprobs_sync, [7, 8])
+        server.wait_for("batch started: 1 rows")
+        killed_at = time.monotonic()
+        server.process.kill()
+        thread.join(timeout=ERROR_DEADLINE_S)
+        assert isinstance(outcome.get("error"), ServerUnavailableError), outcome
+        assert "stopped or crashed" in str(outcome["error"])
+        assert outcome["ended_at"] - killed_at < ERROR_DEADLINE_S
+        server.wait_exit()  # its listening socket is gone with it
+        with pytest.raises(ServerUnavailableError, match="cannot reach"):
+            client.next_token_logprobs_sync([7, 8])  # nothing listens now
+    finally:
+        server.stop()
+    back = ServerProcess.gated("--port", str(server.port))
+    try:
+        row = client.next_token_logprobs_sync([7, 8])  # the same client, reconnected
+        assert torch.equal(row, reference.next_token_logprobs_sync([7, 8]))
+    finally:
+        client.close()
+        back.stop()
+
+
+def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_server):
+    """The gate stands for a hung server (or a dead network): the answer never comes."""
+    with RemoteLM(gated_server.url, read_timeout_s=2.0) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match="no answer in time"):
+            client.next_token_logprobs_sync([3])
+        assert time.monotonic() - started < ERROR_DEADLINE_S
+        # The client gave up and closed its connection: the server cancels the request.
+        gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
+        gated_server.open_gate()
+        gated_server.wait_for("batch started: 1 rows")
+        assert client.next_token_logprobs_sync([3]).shape == (256,)  # cached by the first batch
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_fails_pending_requests_clearly_and_stops_the_server(gated_server, sig):
+    with RemoteLM(gated_server.url) as computing, RemoteLM(gated_server.url) as queued:
+        first, first_outcome = in_thread(computing.next_token_logprobs_sync, [1])
+        gated_server.wait_for("batch started: 1 rows")
+        second, second_outcome = in_thread(queued.next_token_logprobs_sync, [2])
+        wait_until(lambda: computing.server_stats()[0].num_requests == 2)
+        gated_server.send_signal(sig)
+        first.join(timeout=ERROR_DEADLINE_S)
+        second.join(timeout=ERROR_DEADLINE_S)
+        for outcome in (first_outcome, second_outcome):
+            assert isinstance(outcome.get("error"), ServerUnavailableError), outcome
+            assert f"shutting down ({sig.name})" in str(outcome["error"])
+        gated_server.open_gate()  # the batch computing in the model's thread may end
+        assert gated_server.wait_exit() == 0
+    gated_server.wait_for(rf"shutting down \({sig.name}\): failing 2 request")
+    gated_server.wait_for("stopped")
+
+
+def test_a_token_is_required_when_set():
+    server = ServerProcess.gated("--token", "s3cret")
+    try:
+        with pytest.raises(ServerRejectedError, match="got no token"):
+            RemoteLM(server.url)
+        with pytest.raises(ServerRejectedError, match="got a wrong token"):
+            RemoteLM(server.url, token="guess")
+        with RemoteLM(server.url, token="s3cret") as lm:
+            assert lm.next_token_logprobs_sync([1]).shape == (256,)
+        env_client = "from genlm_backend.serve import RemoteLM; import sys; RemoteLM(sys.argv[1])"
+        client = ServerProcess(
+            ["-c", env_client + "; print('ok')", server.url],
+            process_env(GENLM_SERVE_TOKEN="s3cret"),
+        )
+        client.wait_for("^ok$")
+        client.stop()
+    finally:
+        server.stop()
+
+
+def test_non_loopback_needs_the_flag_and_a_token(capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    check_binding("127.0.0.1", allow_remote=False, token=None)
+    check_binding("0.0.0.0", allow_remote=True, token="t")
+    # The command refuses before loading any model (nothing is bound here).
+    assert cli_main(["serve", "--backend", "mock", "--host", "0.0.0.0"]) == 2
+    assert "--allow-remote" in capsys.readouterr().err
+    assert cli_main(["serve", "--backend", "mock", "--host", "0.0.0.0", "--allow-remote"]) == 2
+    assert "needs a shared token" in capsys.readouterr().err
+
+
+def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
+    server = ServerProcess.gated(
+        "--max-rows", "4", "--max-context-length", "8", "--max-body-bytes", "2048"
+    )
+    try:
+        with urllib3.connection_from_url(server.url, timeout=10, retries=False) as raw:
+
+            def post(body: bytes) -> urllib3.BaseHTTPResponse:
+                return raw.request("POST", "/v1/logprobs", body=body)
+
+            def logprobs(contexts) -> urllib3.BaseHTTPResponse:
+                return post(protocol.encode_logprobs_request(contexts, [None] * len(contexts)))
+
+            cases = [
+                (
+                    logprobs([[1]] * 5),
+                    413,
+                    "5 contexts in one request; this server takes at most 4",
+                ),
+                (logprobs([[1] * 9]), 413, "a context of 9 tokens; this server takes at most 8"),
+                (post(b"x" * 3000), 413, "this server takes at most 2048"),
+                (post(b"\xc1garbage"), 400, "not msgpack"),
+                (post(protocol.pack({"lengths": [2], "ids": b"\0" * 4})), 400, "lora_names"),
+                (logprobs([[256]]), 400, "outside the vocabulary"),
+            ]
+            for response, status, message in cases:
+                assert response.status == status
+                assert message in protocol.unpack(response.data)["message"]
+        with RemoteLM(server.url) as lm:
+            assert lm.max_context_length == 8
+            with pytest.raises(ValueError, match="more than the model's context of 8"):
+                lm.next_token_logprobs_sync([1] * 9)  # refused in the client already
+            round_trips = lm.runner.num_round_trips
+            contexts = [[1, t] for t in range(10)]
+            rows = lm.batch_next_token_logprobs_sync(contexts)  # batches of at most 4 rows
+            assert lm.runner.num_round_trips - round_trips == 3
+            assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts))
+            with pytest.raises(RequestTooLargeError, match="at most 4"):
+                lm.runner.run([lm._requests([[1]], None)[0]] * 5)
+    finally:
+        server.stop()
+
+
+def test_a_model_error_fails_its_batch_only_and_the_server_goes_on(reference):
+    server = ServerProcess.gated()
+    try:
+        with RemoteLM(server.url) as client:
+            with pytest.raises(RemoteModelError, match="RuntimeError: the model failed this batch"):
+                client.next_token_logprobs_sync([1, FAILING_TOKEN])
+            assert torch.equal(
+                client.next_token_logprobs_sync([1, 2]), reference.next_token_logprobs_sync([1, 2])
+            )
+    finally:
+        server.stop()
+
+
+def test_a_server_back_with_another_model_is_refused():
+    server = ServerProcess.gated()
+    client = RemoteLM(server.url)
+    try:
+        client.next_token_logprobs_sync([1])
+        server.stop()
+        other = ServerProcess.gated("--port", str(server.port), "--vocab-size", "128")
+        try:
+            with pytest.raises(ServerModelChangedError, match="now serves another model"):
+                client.next_token_logprobs_sync([2])
+        finally:
+            other.stop()
+    finally:
+        client.close()
+        server.stop()
