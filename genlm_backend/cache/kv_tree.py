@@ -20,11 +20,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
-from genlm_backend.cache.kv_block import KVBlock, KVEntry
+from genlm_backend.cache.kv_block import (
+    KVBlock,
+    KVCacheStats,
+    KVEntry,
+    Placement,
+    extendable_block,
+)
 
-__all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree"]
+__all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree", "Placement"]
 
 
 class _Node:
@@ -40,19 +45,6 @@ class _Node:
 
 _NUM_RECENT_CONTEXTS = 1024
 """Inserted contexts whose nodes :meth:`KVPrefixTree._deepest_node` remembers."""
-
-
-@dataclass(frozen=True)
-class KVCacheStats:
-    """A snapshot of a :class:`KVPrefixTree`."""
-
-    num_entries: int
-    num_blocks: int
-    num_evictions: int
-    bytes_held: int
-    budget_bytes: int
-    bytes_shared: int = 0
-    """Bytes of entries that other entries continue (a shared prompt), held once."""
 
 
 class KVPrefixTree:
@@ -301,34 +293,7 @@ class KVPrefixTree:
             self.insert(p.context, entry, namespace)
         return True
 
-    @staticmethod
-    def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
-        """The block a batch of one-token steps may write into in place, or ``None``.
-
-        ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-        row ``i`` extends, by one token, the whole context of an entry held
-        by row ``i`` of one block; those entries' spans all end at the same
-        slot, which is their row's last written slot (so the slot written now
-        belongs to no other entry), and a free slot is left. That is the SMC
-        step without resampling; anything else is copied into a new block.
-        """
-        first = steps[0][0] if steps else None
-        if first is None:
-            return None
-        block, end = first.block, first.start + first.length
-        if block.num_rows != len(steps) or end >= block.num_slots:
-            return None
-        for i, (entry, reused) in enumerate(steps):
-            if (
-                entry is None
-                or entry.block is not block
-                or entry.row != i
-                or reused != entry.context_length
-                or entry.start + entry.length != end
-                or block.row_ends[i] != end
-            ):
-                return None
-        return block
+    extendable_block = staticmethod(extendable_block)
 
     def drop_namespace(self, namespace: Hashable) -> int:
         """Evict every entry of ``namespace`` (e.g. an adapter being unloaded); returns how many."""
@@ -366,18 +331,3 @@ class KVPrefixTree:
 
     def __len__(self) -> int:
         return len(self._lru)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where :meth:`KVPrefixTree.commit` finds a context's keys/values in a block.
-
-    ``context[offset:]`` is ``row``'s slots from ``start``; ``context[:offset]``
-    is ``parent``'s (``None`` when ``offset`` is 0).
-    """
-
-    context: Sequence[int]
-    row: int
-    start: int
-    offset: int = 0
-    parent: KVEntry | None = None
