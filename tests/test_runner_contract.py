@@ -136,3 +136,16 @@ def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path)
         runner.unload_adapter(adapter)
     with pytest.raises(ValueError, match="removed or re-registered"):
         runner.run([Request(adapter, (1, 2))])
+
+
+def test_a_request_hashes_as_its_fields_and_survives_pickling():
+    import pickle
+
+    from genlm_backend.llm.runner import Adapter, Request
+
+    request = Request(Adapter("a", 1, "/path"), (1, 2, 3))
+    assert hash(request) == hash((request.adapter, request.context))
+    assert request == Request(Adapter("a", 1, "/path"), (1, 2, 3))
+    copy = pickle.loads(pickle.dumps(request))
+    assert copy == request and hash(copy) == hash(request)
+    assert {request: 1}[copy] == 1

@@ -50,6 +50,10 @@ class Request:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # Rebuilt, not copied: the hash of an adapter's name differs between processes.
+        return type(self), (self.adapter, self.context)
+
 
 @dataclass(frozen=True)
 class RunnerStats:
