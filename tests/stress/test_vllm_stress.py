@@ -3,8 +3,7 @@
 Reference: a plain transformers forward of the same weights; tolerance 1e-4
 absolute on log-probabilities, as for the HF backend (tests/test_vllm.py
 allows 1e-3; on this tiny fp32 model the differences stay near 2e-6). One
-engine serves the module's tests, in any order; the closing test closes an
-engine of its own.
+engine serves the whole module; the closing test runs last.
 
 * Load: 200 particles make 2,000 concurrent calls (extending, branching,
   copying each other's contexts), all exact.
@@ -59,7 +58,6 @@ class StressVirtualLM(AsyncVirtualLM):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.entered, self.release = threading.Event(), threading.Event()
-        self.returned = threading.Event()  # set when a batch's compute hook ends
         self.release.set()
         self.batches: list[list[tuple[int, ...]]] = []
         self.planned_errors: dict[int, BaseException] = {}
@@ -75,34 +73,23 @@ class StressVirtualLM(AsyncVirtualLM):
 
     def hold_next(self) -> None:
         self.entered.clear()
-        self.returned.clear()
         self.release.clear()
 
     def _process_batch(self, requests):
         self.batches.append([request.context for request in requests])
         self.entered.set()
-        try:
-            if not self.release.wait(WAIT_S):
-                raise TimeoutError("the held batch was never released")
-            return super()._process_batch(requests)
-        finally:
-            self.returned.set()
+        if not self.release.wait(WAIT_S):
+            raise TimeoutError("the held batch was never released")
+        return super()._process_batch(requests)
 
 
 @pytest.fixture(scope="module")
-def tiny_gpt2_dir(tmp_path_factory, gpt2_tokenizer):
-    """(the folder of a tiny random GPT-2 and its tokenizer, the transformers model)."""
+def vllm_setup(tmp_path_factory, gpt2_tokenizer):
+    """(StressVirtualLM, the transformers model with the same weights)."""
     path = tmp_path_factory.mktemp("stress_tiny_gpt2")
     model = build_tiny_gpt2(len(gpt2_tokenizer), seed=3)
     model.save_pretrained(path)
     gpt2_tokenizer.save_pretrained(path)
-    return path, model
-
-
-@pytest.fixture(scope="module")
-def vllm_setup(tiny_gpt2_dir):
-    """(StressVirtualLM, the transformers model with the same weights); no test closes it."""
-    path, model = tiny_gpt2_dir
     llm = StressVirtualLM.from_name(path, engine_opts=ENGINE_OPTS, batch_size=16)
     yield llm, model
     llm.close()
@@ -222,17 +209,10 @@ async def test_bad_calls_fail_alone_among_good_calls(vllm_setup, checker, stress
     figures.served = checker.num_checked
 
 
-def test_several_runs_then_aclose_with_calls_computing_and_queued(tiny_gpt2_dir, stress_figures):
-    """On an engine of its own: closing the module's would fail the tests after it."""
-    path, model = tiny_gpt2_dir
-    llm = StressVirtualLM.from_name(path, engine_opts=ENGINE_OPTS, batch_size=16)
-    try:
-        _several_runs_then_aclose(llm, ReferenceChecker(model, llm.vocab_size), stress_figures)
-    finally:
-        llm.close()
-
-
-def _several_runs_then_aclose(llm, checker, stress_figures) -> None:
+def test_several_runs_then_aclose_with_calls_computing_and_queued(
+    vllm_setup, checker, stress_figures
+):
+    llm, _ = vllm_setup
     figures = stress_figures("vllm tiny-gpt2")
     rng = random.Random(4)
     for _ in range(3):
@@ -252,7 +232,7 @@ def _several_runs_then_aclose(llm, checker, stress_figures) -> None:
         assert await asyncio.to_thread(llm.entered.wait, WAIT_S)
         closing = asyncio.create_task(llm.aclose())
         outcomes = await settle(tasks)
-        assert not llm.returned.is_set()  # the callers failed while their batch was held
+        assert not llm.release.is_set()  # the callers failed while their batch was held
         llm.release.set()
         await closing
         with pytest.raises(BackendClosedError, match="closed"):
