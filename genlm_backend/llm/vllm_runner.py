@@ -60,6 +60,21 @@ class VLLMRunner:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: the tokens it sends to vLLM.
+
+        One for a request that extends an open session by one token; its whole
+        context otherwise (vLLM's prefix cache may still serve part of it).
+        Without this, a step of particles behind a long prompt was counted at
+        their whole contexts and split into several engine runs. Called from
+        the event loop while a batch may run, so it is an estimate.
+        """
+        if self.max_sessions > 0 and len(request.context) > 1:
+            parent = Request(request.adapter, request.context[:-1])
+            if parent in self._sessions:
+                return 1
+        return len(request.context)
+
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         if self._scheduler is not None and self.max_sessions > 0:
             return self._run_in_sessions(requests)
