@@ -12,6 +12,9 @@ the tests' business). Each variant runs in its own process (clean peak memory):
 * ``baseline``: ``ours`` as another checkout runs it (``--baseline-tree``).
 * ``ncopies``: a plain batched decode loop with a transformers ``DynamicCache``
   whose prompt keys/values are copied into every particle's row.
+* ``upstream``: upstream genlm-backend 0.3.1's ``AsyncTransformer`` on its
+  defaults, the prompt cached with ``cache_kv`` (its advice), run by the python
+  of a virtualenv that has it (``--upstream-python``; ``benchmarks/upstream_env.sh``).
 * ``floor``: what an exact answer cannot skip: the ``ncopies`` steps behind a
   64-token prompt (the model's weights and the particles' own tokens), plus the
   prompt's attention computed once per layer and step for all rows together
@@ -22,6 +25,7 @@ Usage::
 
     python benchmarks/bench_long_prompt.py                      # the four default workloads
     python benchmarks/bench_long_prompt.py --workloads 32x16@4096 --variants floor ours
+    python benchmarks/bench_long_prompt.py --variants floor ours upstream --upstream-python PY
     python benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 --random-weights CONFIG_DIR
 """
 
@@ -125,6 +129,34 @@ def run_ours(model, args, particles, steps, prompt, own, warm_up) -> dict:
     }
 
 
+def run_upstream(model, args, particles, steps, prompt, own, warm_up) -> dict:
+    """Upstream 0.3.1's AsyncTransformer, its defaults, the prompt cached by ``cache_kv``."""
+    import asyncio
+
+    from genlm.backend.llm import AsyncTransformer as UpstreamTransformer
+    from transformers import AutoTokenizer
+
+    llm = UpstreamTransformer(model, AutoTokenizer.from_pretrained(args.model))
+
+    async def main():
+        warm_prompt, warm_own = warm_up
+        for step in range(2):
+            await asyncio.gather(
+                *(llm.next_token_logprobs(warm_prompt + o[: step + 1]) for o in warm_own)
+            )
+        start = time.perf_counter()
+        llm.cache_kv(prompt)
+        prefilled = time.perf_counter()
+        for step in range(steps):
+            await asyncio.gather(
+                *(llm.next_token_logprobs(prompt + own[i][: step + 1]) for i in range(particles))
+            )
+        return start, prefilled, time.perf_counter()
+
+    start, prefilled, end = asyncio.run(main())
+    return {"prefill_s": prefilled - start, "steps_s": end - prefilled, "rows_per_step": particles}
+
+
 def ncopies_steps(model, args, particles, steps, prompt, own) -> tuple[float, float, float]:
     """(prefill s, steps s, keys/values MB at the end) of the N-copies decode loop."""
     import torch
@@ -216,7 +248,8 @@ def run_child(args) -> dict:
             result = {"prefill_s": prefill, "steps_s": seconds, "kv_held_mb": held}
             result["rows_per_step"] = particles
         else:
-            result = run_ours(model, args, particles, steps, prompt, own, (warm_prompt, warm_own))
+            run = run_upstream if args.child == "upstream" else run_ours
+            result = run(model, args, particles, steps, prompt, own, (warm_prompt, warm_own))
     return result | {"peak_mb": peak_memory_mb(args.device)}
 
 
@@ -232,13 +265,17 @@ def peak_memory_mb(device: str) -> float:
 
 def spawn(variant: str, workload: str, args) -> dict:
     tree = HERE.parent
-    child = variant
+    child, python = variant, sys.executable
+    if variant == "upstream":
+        if args.upstream_python is None or args.random_weights:
+            return {"error": "the upstream variant needs --upstream-python and a real model"}
+        python = args.upstream_python
     if variant == "baseline":
         if args.baseline_tree is None:
             return {"error": "the baseline variant needs --baseline-tree"}
         tree, child = args.baseline_tree.resolve(), "ours"
     command = [
-        sys.executable,
+        python,
         str(Path(__file__).resolve()),
         "--child",
         child,
@@ -248,8 +285,8 @@ def spawn(variant: str, workload: str, args) -> dict:
     command += ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
     if args.random_weights:
         command += ["--random-weights", str(args.random_weights.resolve())]
-    if args.model:
-        command += ["--model", args.model]
+    if args.model or variant == "upstream":  # upstream's venv lacks genlm_backend's model lookup
+        command += ["--model", args.model or _default_model_dir()]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -263,12 +300,21 @@ def spawn(variant: str, workload: str, args) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _default_model_dir() -> str:
+    from genlm_backend.models import default_model_dir
+
+    return str(default_model_dir())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument(
         "--baseline-tree", type=Path, help="checkout whose AsyncTransformer is 'baseline'"
+    )
+    parser.add_argument(
+        "--upstream-python", help="python of a virtualenv with genlm-backend 0.3.1 ('upstream')"
     )
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per variant, interleaved; median kept"

@@ -16,11 +16,16 @@ A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
 (:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extendable_block`): the
 SMC step, with no copy at all.
+
+Before that, :func:`shared_uncached_prefixes` says which prefixes, shared by
+several contexts of a batch and not cached yet, are computed once first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +109,35 @@ def plan_copies(rows: list[Row], policy: LevelPolicy) -> None:
                     num_levels = i + 1
         row.levels, row.own = chain[:num_levels], chain[num_levels:]
         row.split = sum(n for _, n in row.levels)
+
+
+def shared_uncached_prefixes(
+    contexts: Sequence[tuple[int, ...]],
+    cached_length: Callable[[tuple[int, ...]], int],
+    min_tokens: int,
+) -> list[list[tuple[int, ...]]]:
+    """Prefixes that several contexts share with ``min_tokens`` or more uncached, in rounds (shorter first).
+
+    Computing each once before the contexts leaves it in the tree as the
+    contexts' shared level: 32 particles arriving together behind a new
+    prompt compute the prompt once, not 32 times. Sorted contexts share
+    prefixes with their neighbours, so neighbours give every branch point.
+    ``cached_length(prefix)`` says how much of a prefix is cached already.
+    """
+    ordered = sorted(contexts)
+    prefixes = set()
+    for a, b in itertools.pairwise(ordered):
+        n = min(_common_prefix_length(a, b), len(a) - 1, len(b) - 1)
+        if n - cached_length(a[:n]) >= min_tokens:
+            prefixes.add(a[:n])
+    rounds = []
+    while prefixes:
+        first = {
+            p for p in prefixes if not any(len(q) < len(p) and p[: len(q)] == q for q in prefixes)
+        }
+        rounds.append(sorted(first))
+        prefixes -= first
+    return rounds
 
 
 def group_levels(rows: list[Row], device: torch.device) -> list[Level]:
@@ -201,3 +235,12 @@ def _copy_rows(
         target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
     else:
         target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -19,7 +19,6 @@ is not cached yet get that prefix computed once first.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -142,9 +141,10 @@ class HFRunner:
         rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
         if self.level_policy.enabled:
             # Several contexts that share a prefix not cached yet: compute it once first.
-            rounds = self._shared_uncached_prefixes(
+            rounds = layout.shared_uncached_prefixes(
                 [row.context for row in rows if row.num_new > self.level_policy.min_prefill_tokens],
-                namespace,
+                lambda prefix: self.kv_tree.cached_length(prefix, namespace),
+                self.level_policy.min_prefill_tokens,
             )
             for prefixes in rounds:
                 self._compute(
@@ -175,34 +175,6 @@ class HFRunner:
             ]
             self.kv_tree.commit(block, placements, namespace)
         return out
-
-    def _shared_uncached_prefixes(
-        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable
-    ) -> list[list[tuple[int, ...]]]:
-        """Prefixes that several contexts share and the tree lacks, in rounds (shorter ones first).
-
-        Computing each once before the contexts leaves it in the tree as the
-        contexts' shared level: 32 particles arriving together behind a new
-        prompt compute the prompt once, not 32 times. Sorted contexts share
-        prefixes with their neighbours, so neighbours give every branch point.
-        """
-        ordered = sorted(contexts)
-        prefixes = set()
-        for a, b in itertools.pairwise(ordered):
-            n = min(_common_prefix_length(a, b), len(a) - 1, len(b) - 1)
-            cached = self.kv_tree.cached_length(a[:n], namespace)
-            if n - cached >= self.level_policy.min_prefill_tokens:
-                prefixes.add(a[:n])
-        rounds = []
-        while prefixes:
-            first = {
-                p
-                for p in prefixes
-                if not any(len(q) < len(p) and p[: len(q)] == q for q in prefixes)
-            }
-            rounds.append(sorted(first))
-            prefixes -= first
-        return rounds
 
     def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> Row:
         entry, shared = self.kv_tree.longest_prefix(context, namespace)
@@ -309,12 +281,3 @@ class HFRunner:
 def _num_spare_slots(num_past: int) -> int:
     """Room left in a one-token step's block for later steps: 1/4 of its length, at least 8."""
     return max(8, num_past // 4)
-
-
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
