@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p "$out"
-bash benchmarks/upstream_env.sh >/dev/null
+upstream_python=$(bash benchmarks/upstream_env.sh | tail -n 1)
 
 python benchmarks/bench_attention.py | tee "$out/attention.md"
 python benchmarks/bench_hf.py --workloads 16x32 --repeats 3 | tee "$out/hf_16x32.md"
@@ -18,6 +18,8 @@ python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ou
 python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --repeats 1 \
     --variants floor ours upstream+cache_kv --json "$out/hf_sweep.json" | tee "$out/hf_sweep.md"
 python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particles.png
+python benchmarks/bench_long_prompt.py --workloads 32x16@1024 32x16@4096 \
+    --variants floor ours ncopies upstream --upstream-python "$upstream_python" | tee "$out/long_prompt.md"
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/trie_2threads.md"
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
 python benchmarks/bench_vocab.py | tee "$out/vocab.md"
@@ -25,4 +27,5 @@ python benchmarks/bench_transport.py | tee "$out/transport.md"
 python benchmarks/bench_serve.py --particles 16 --steps 16 --runs 3 --plot benchmarks/serve.png | tee "$out/serve.md"
 python benchmarks/bench_vllm.py | tee "$out/vllm.md"
 python benchmarks/bench_vllm.py --steps 8 | tee "$out/vllm_8steps.md"
+python benchmarks/bench_vllm_long_prompt.py --repeats 3 | tee "$out/vllm_long_prompt.md"
 python -m pytest tests/stress -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/stress.md"
