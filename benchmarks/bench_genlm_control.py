@@ -1,12 +1,15 @@
 """genlm-control regex-constrained SMC on upstream genlm-backend 0.3.1 vs genlm_backend.
 
 Workload (``genlm_control_driver.py``): genlm-control 0.4.1's ``AWRS`` sampler
-over a ``PromptedLLM`` (SmolLM2-135M-Instruct fp32, chat prompt asking for an
-email address, default ``AsyncTransformer`` settings, 2 torch threads) and a
-``BoolFSA`` email regex, ``smc(n_particles=P, ess_threshold=0.5,
-max_tokens=T)``. Each timed run starts from cleared model caches and caches the
-prompt's keys/values (``cache_kv``) inside the timed span; a 2-particle warm-up
-run per process is not timed. The same seeds drive both backends.
+over a ``PromptedLLM`` (SmolLM2-135M-Instruct fp32, default ``AsyncTransformer``
+settings, 2 torch threads) and a ``BoolFSA`` regex, ``smc(n_particles=P,
+ess_threshold=0.5, max_tokens=T)``. ``--workload`` picks the prompt and regex
+(``genlm_control_workloads.py``): ``email`` (default), a short chat prompt asking
+for an email address under an email regex; ``sql``, a text-to-SQL few-shot chat
+prompt of about 1,500 tokens under a regex for a small SQL subset. Each timed
+run starts from cleared model caches and caches the prompt's keys/values
+(``cache_kv``) inside the timed span; a 2-particle warm-up run per process is not
+timed. The same seeds drive both backends.
 
 Each backend runs in its own virtualenv (one process per repeat, the two
 backends interleaved, order alternating). Afterwards both score the same
@@ -19,6 +22,8 @@ Usage (``genlm_control_env.sh`` creates both virtualenvs)::
     python benchmarks/bench_genlm_control.py \\
         --ours-python /work/venvs/smc/bin/python \\
         --upstream-python /work/venvs/upstream-smc/bin/python --repeats 3
+    python benchmarks/bench_genlm_control.py --workload sql --particles 16 \\
+        --max-tokens 32 ... --json benchmarks/results/genlm_control_sql.json
 """
 
 from __future__ import annotations
@@ -104,11 +109,16 @@ def max_logprob_difference(pythons: dict[str, str], common: list[str], contexts)
     return float(np.abs(scores["ours"] - scores["upstream"]).max())
 
 
-def summarize(results: dict, seeds: list[int]) -> dict:
-    summary = {}
+def summarize(results: dict, seeds: list[int], workload: str) -> dict:
+    summary = {"workload": workload, "prompt_tokens": len(results["ours"][0]["prompt_ids"])}
     for name, outputs in results.items():
         seconds = [run["seconds"] for output in outputs for run in output["runs"]]
-        summary[name] = {"seconds": seconds, "median_s": statistics.median(seconds)}
+        prefill = [run.get("prefill_seconds", 0.0) for output in outputs for run in output["runs"]]
+        summary[name] = {
+            "seconds": seconds,
+            "median_s": statistics.median(seconds),
+            "prefill_seconds": prefill,  # cache_kv(prompt), inside the timed span
+        }
     same_samples = [
         ours["texts"] == upstream["texts"]
         for out_ours, out_up in zip(results["ours"], results["upstream"])
@@ -156,6 +166,9 @@ def main(argv=None) -> None:
         "--model-dir",
         help="SmolLM2-135M-Instruct folder (default: genlm_backend's converted default model)",
     )
+    parser.add_argument(
+        "--workload", choices=["email", "sql"], default="email", help="prompt and regex"
+    )
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument(
@@ -169,13 +182,16 @@ def main(argv=None) -> None:
     common = [
         "--model-dir",
         model_dir,
+        "--workload",
+        args.workload,
         "--particles",
         str(args.particles),
         "--max-tokens",
         str(args.max_tokens),
     ]
     results = timed_repeats(pythons, common, args.seeds, args.repeats)
-    summary = summarize(results, args.seeds)
+    summary = summarize(results, args.seeds, args.workload)
+    print(f"{args.workload}: prompt of {summary['prompt_tokens']} tokens", file=sys.stderr)
     if args.json:  # the timings survive a failure while scoring
         args.json.write_text(json.dumps(summary, indent=2))
     summary["max_abs_logprob_diff"] = max_logprob_difference(
@@ -188,6 +204,9 @@ def main(argv=None) -> None:
     paired = ", ".join(f"{ratio:.1f}x" for ratio in summary["paired_ratios"])
     print(f"upstream / ours per repeat: {paired} (median {summary['median_paired_ratio']:.1f}x)")
     print(f"identical particles per run: {summary['identical_particles_per_run']}")
+    for name in ("upstream", "ours"):
+        prefill = ", ".join(f"{s:.2f}" for s in summary[name]["prefill_seconds"])
+        print(f"{name}: cache_kv(prompt) inside the timed span: {prefill} s")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
 

@@ -4,7 +4,8 @@ genlm-control imports ``genlm.backend``. When genlm_backend (with its
 ``genlm_backend.alias`` module) is importable, the alias is installed first and
 genlm-control runs on genlm_backend; otherwise ``genlm.backend`` is upstream
 genlm-backend 0.3.1. ``bench_genlm_control.py`` runs this script in two
-virtualenvs and compares them; it prints one JSON line on stdout.
+virtualenvs and compares them; it prints one JSON line on stdout. ``--workload``
+picks the prompt and regex (``genlm_control_workloads.py``: ``email``, ``sql``).
 
 Modes:
 
@@ -36,25 +37,26 @@ import numpy as np
 import torch
 from genlm.backend.llm import AsyncTransformer
 from genlm.control import AWRS, BoolFSA, PromptedLLM
+from genlm_control_workloads import WORKLOADS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REQUEST = "Make up a work email address for Jane Doe, who works at Example Corp. Answer with the address only."
-EMAIL_REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
 
-
-def build_potentials(model_dir: str) -> tuple[AsyncTransformer, PromptedLLM, object]:
+def build_potentials(
+    model_dir: str, workload: str = "email"
+) -> tuple[AsyncTransformer, PromptedLLM, object]:
     """The language model, the prompted potential and the regex condition over its tokens."""
+    messages, regex = WORKLOADS[workload]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     llm = AsyncTransformer(model, tokenizer)
     potential = PromptedLLM(llm)
     potential.prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": REQUEST}],
+        messages,
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
     )
-    condition = BoolFSA.from_regex(EMAIL_REGEX).coerce(potential, f=b"".join)
+    condition = BoolFSA.from_regex(regex).coerce(potential, f=b"".join)
     return llm, potential, condition
 
 
@@ -75,12 +77,14 @@ async def run_smc(
     start = time.perf_counter()
     if cache_prompt:
         llm.cache_kv(list(potential.prompt_ids))
+    prefill_seconds = time.perf_counter() - start
     sequences = await sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens)
     seconds = time.perf_counter() - start
     tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
     return {
         "seed": seed,
         "seconds": seconds,
+        "prefill_seconds": prefill_seconds,  # cache_kv(prompt), part of seconds
         "token_ids": [[t.token_id for t in ctx] for ctx in tokens],
         "texts": [
             b"".join(t.byte_string for t in ctx).decode("utf-8", "replace") for ctx in tokens
@@ -91,7 +95,7 @@ async def run_smc(
 
 
 async def time_runs(args) -> dict:
-    llm, potential, condition = build_potentials(args.model_dir)
+    llm, potential, condition = build_potentials(args.model_dir, args.workload)
     await run_smc(
         llm,
         potential,
@@ -111,7 +115,7 @@ async def time_runs(args) -> dict:
 
 
 async def score_contexts(args) -> dict:
-    llm, _, _ = build_potentials(args.model_dir)
+    llm, _, _ = build_potentials(args.model_dir, args.workload)
     contexts = json.loads(Path(args.contexts).read_text())
     rows = await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
     scores = torch.stack([row.detach().to(torch.float64).cpu() for row in rows]).numpy()
@@ -123,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["time", "score"])
     parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="email")
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
