@@ -340,27 +340,35 @@ def main(argv=None) -> None:
         "| workload | variant | prefill (s) | steps (s) | x floor | peak MB | KV held MB | KV shared MB | rows/step |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    run_interleaved(args, spawn, "floor", _row)
+
+
+def run_interleaved(args, spawn, reference: str, row) -> None:
+    """Each workload's variants, one process each, ``args.repeats`` times with the order
+    alternating; prints ``row(workload, variant, median run, reference's steps_s)`` per
+    variant and writes every median to ``args.json``."""
     results = []
     for workload in args.workloads:
         runs: dict[str, list[dict]] = {v: [] for v in args.variants}
-        for _ in range(args.repeats):
-            for variant in args.variants:
+        for repeat in range(args.repeats):
+            for variant in args.variants if repeat % 2 == 0 else args.variants[::-1]:
                 runs[variant].append(spawn(variant, workload, args))
                 print(f"{workload} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
-        medians = {v: _median(r) for v, r in runs.items()}
-        floor = medians.get("floor", {}).get("steps_s")
+        medians = {v: median_run(r) for v, r in runs.items()}
+        reference_s = medians.get(reference, {}).get("steps_s")
         for variant, run in medians.items():
             results.append({"workload": workload, "variant": variant} | run)
-            print(_row(workload, variant, run, floor), flush=True)
+            print(row(workload, variant, run, reference_s), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
 
-def _median(runs: list[dict]) -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run of median step time (the lower one of an even count), with every run's steps."""
     good = sorted((r for r in runs if "steps_s" in r), key=lambda r: r["steps_s"])
     if not good:
         return runs[0]
-    return good[len(good) // 2] | {"all_steps_s": [round(r["steps_s"], 3) for r in good]}
+    return good[(len(good) - 1) // 2] | {"all_steps_s": [round(r["steps_s"], 3) for r in good]}
 
 
 def _row(workload: str, variant: str, run: dict, floor: float | None) -> str:

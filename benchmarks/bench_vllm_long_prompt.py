@@ -27,21 +27,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_long_prompt import parse_workload, run_interleaved  # noqa: E402
+
 WORKLOADS = ("32x16@64", "32x16@1024", "32x16@4096")
 VARIANTS = ("vllm", "ours")
-
-
-def parse_workload(text: str) -> tuple[int, int, int]:
-    shape, prompt = text.split("@")
-    particles, steps = shape.split("x")
-    return int(particles), int(steps), int(prompt)
 
 
 def token_draws(vocab_size: int, particles: int, steps: int, prompt_tokens: int, seed: int = 0):
@@ -176,30 +172,7 @@ def main(argv=None) -> None:
         "| workload | variant | prefill (s) | steps (s) | x vLLM loop | all runs (s) | peak MB | rows/step | batches/step |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    results = []
-    for workload in args.workloads:
-        runs: dict[str, list[dict]] = {v: [] for v in args.variants}
-        for repeat in range(args.repeats):
-            order = args.variants if repeat % 2 == 0 else args.variants[::-1]
-            for variant in order:
-                runs[variant].append(spawn(variant, workload, args))
-                print(f"{workload} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
-        medians = {v: _median(r) for v, r in runs.items()}
-        loop_s = medians.get("vllm", {}).get("steps_s")
-        for variant, run in medians.items():
-            results.append({"workload": workload, "variant": variant} | run)
-            print(_row(workload, variant, run, loop_s), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-
-
-def _median(runs: list[dict]) -> dict:
-    good = [r for r in runs if "steps_s" in r]
-    if not good:
-        return runs[0]
-    median = statistics.median_low([r["steps_s"] for r in good])
-    chosen = next(r for r in good if r["steps_s"] == median)
-    return chosen | {"all_steps_s": [round(r["steps_s"], 2) for r in good]}
+    run_interleaved(args, spawn, "vllm", _row)
 
 
 def _row(workload: str, variant: str, run: dict, loop_s: float | None) -> str:
@@ -212,7 +185,7 @@ def _row(workload: str, variant: str, run: dict, loop_s: float | None) -> str:
         return f"{run[key]:.{digits}f}" if key in run else ""
 
     ratio = f"{run['steps_s'] / loop_s:.2f}x" if loop_s else ""
-    all_runs = ", ".join(map(str, run["all_steps_s"]))
+    all_runs = ", ".join(f"{s:.2f}" for s in run["all_steps_s"])
     return (
         f"| {workload} | {variant} | {fmt('prefill_s')} | {fmt('steps_s')} | {ratio} | {all_runs} | "
         f"{fmt('peak_mb', 0)} | {fmt('rows_per_step', 1)} | {fmt('batches_per_step', 1)} |"
