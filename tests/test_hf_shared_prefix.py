@@ -318,3 +318,26 @@ def test_cuda_runner_long_prompt_particles_match_uncached_forward(dtype):
             particles = [particles[0]] * 4 + [particles[5]] * 4
         particles = [(*p, rng.randrange(2000)) for p in particles]
     assert runner.kv_tree.stats.bytes_shared > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("build", ["build_tiny_llama", "build_tiny_gpt2"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_runner_random_workloads_with_every_piece_a_level_match(build, seed):
+    """Extensions, siblings, prefixes and fresh contexts on CUDA, every cached piece read as a level."""
+    from genlm_backend.cache.kv_tree import KVPrefixTree
+    from genlm_backend.llm.hf_runner import HFRunner
+    from tests import conftest
+
+    model = getattr(conftest, build)(2000).to("cuda")
+    model.config._attn_implementation = "sdpa"
+    runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
+    runner.level_policy = EVERY_PIECE_A_LEVEL
+    for batch in random_workload(random.Random(seed), 2000, num_rounds=6, per_round=9):
+        contexts = list(dict.fromkeys(tuple(c) for c in batch))
+        rows = runner.logprobs(contexts)
+        for context, row in zip(contexts, rows):
+            expected = torch.log_softmax(runner.run_uncached(Request(None, context)).float(), -1)
+            torch.testing.assert_close(row, expected, atol=1e-4, rtol=0)
+    assert runner.kv_tree.stats.bytes_shared > 0
