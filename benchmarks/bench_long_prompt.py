@@ -27,6 +27,11 @@ Usage::
     python benchmarks/bench_long_prompt.py --workloads 32x16@4096 --variants floor ours
     python benchmarks/bench_long_prompt.py --variants floor ours upstream --upstream-python PY
     python benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 --random-weights CONFIG_DIR
+    python benchmarks/bench_long_prompt.py --workloads 32x16@4096 --paired 5   # floor and ours in turns
+
+``--paired ROUNDS`` runs ``floor`` and ``ours`` in turns in one process (see
+:func:`run_paired`) and reports the ratio of each round and their median: the
+figure to trust on a machine whose speed drifts between processes.
 """
 
 from __future__ import annotations
@@ -52,15 +57,21 @@ def parse_workload(text: str) -> tuple[int, int, int]:
     return int(particles), int(steps), int(prompt)
 
 
-def token_draws(vocab_size: int, particles: int, steps: int, prompt_tokens: int):
-    """The prompt and each particle's tokens: seeded, distinct from each particle's first token on."""
+def token_draws(vocab_size: int, particles: int, steps: int, prompt_tokens: int, seed: int = 0):
+    """The prompt and each particle's tokens: seeded, distinct from each particle's first token on.
+
+    The prompt does not depend on ``seed``; the particles' first tokens of
+    one seed differ from those of every other seed.
+    """
     import torch
 
     generator = torch.Generator().manual_seed(0)
     high = min(vocab_size, 32000)
     prompt = torch.randint(0, high, (prompt_tokens,), generator=generator).tolist()
+    if seed:
+        generator.manual_seed(seed)
     own = torch.randint(0, high, (particles, steps), generator=generator)
-    own[:, 0] = torch.arange(particles) + 100  # distinct first tokens
+    own[:, 0] = torch.arange(particles) + 100 + seed * particles  # distinct first tokens
     return prompt, own.tolist()
 
 
@@ -126,6 +137,70 @@ def run_ours(model, args, particles, steps, prompt, own, warm_up) -> dict:
         "kv_shared_mb": getattr(kv, "bytes_shared", 0) / 2**20,
         "rows_per_step": (stats.num_contexts_computed - rows_before) / steps,
         "mean_batch_size": stats.mean_batch_size,
+    }
+
+
+def run_paired(model, args, particles, steps, prompt_tokens) -> dict:
+    """``floor`` and ``ours`` in turns in one process, ``args.paired`` rounds, the order alternating.
+
+    On a shared machine whose speed drifts over minutes, the two runs of a
+    round are seconds apart, so their ratio is steadier than that of two
+    processes a minute apart. Ours prefills the prompt once; each round's
+    particles start with first tokens of their own, so a round reuses the
+    prompt and nothing of an earlier round.
+    """
+    import asyncio
+    import statistics
+
+    from genlm_backend.llm.hf import AsyncTransformer
+
+    vocab_size = model.config.get_text_config().vocab_size
+    floor_prompt, floor_own = token_draws(vocab_size, particles, steps, FLOOR_PROMPT_TOKENS)
+    llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(vocab_size)])
+    prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
+    warm_prompt, warm_own = token_draws(vocab_size, particles, 2, 16)
+    warm_prompt = [t + 1 for t in warm_prompt]
+
+    def floor() -> float:
+        _, steps_at_floor, _ = ncopies_steps(model, args, particles, steps, floor_prompt, floor_own)
+        return steps_at_floor + prompt_attention_seconds(
+            model, args, particles, steps, prompt_tokens
+        )
+
+    async def ours(seed: int) -> float:
+        _, own = token_draws(vocab_size, particles, steps, prompt_tokens, seed=seed)
+        start = time.perf_counter()
+        for step in range(steps):
+            await asyncio.gather(
+                *(llm.next_token_logprobs(prompt + own[i][: step + 1]) for i in range(particles))
+            )
+        synchronize(args.device)
+        return time.perf_counter() - start
+
+    async def main():
+        ncopies_steps(model, args, particles, 2, floor_prompt, floor_own)  # warm-ups
+        await llm.batch_next_token_logprobs([warm_prompt + o[:1] for o in warm_own])
+        start = time.perf_counter()
+        await llm.next_token_logprobs(prompt)
+        synchronize(args.device)
+        prefill = time.perf_counter() - start
+        rounds = []
+        for index in range(args.paired):
+            if index % 2 == 0:
+                floor_s, ours_s = floor(), await ours(index + 1)
+            else:
+                ours_s, floor_s = await ours(index + 1), floor()
+            rounds.append((floor_s, ours_s))
+            print(f"round {index}: floor {floor_s:.2f} s, ours {ours_s:.2f} s", file=sys.stderr)
+        return prefill, rounds
+
+    prefill, rounds = asyncio.run(main())
+    return {
+        "prefill_s": prefill,
+        "rounds": [{"floor_s": f, "ours_s": o, "ratio": o / f} for f, o in rounds],
+        "median_ratio": statistics.median(o / f for f, o in rounds),
+        "floor_median_s": statistics.median(f for f, _ in rounds),
+        "ours_median_s": statistics.median(o for _, o in rounds),
     }
 
 
@@ -227,6 +302,8 @@ def run_child(args) -> dict:
     particles, steps, prompt_tokens = parse_workload(args.workload)
     model = load_model(args)
     vocab_size = model.config.get_text_config().vocab_size
+    if args.child == "paired":
+        return run_paired(model, args, particles, steps, prompt_tokens)
     if args.child == "floor":
         prompt, own = token_draws(vocab_size, particles, steps, FLOOR_PROMPT_TOKENS)
         ncopies_steps(model, args, particles, 2, prompt, own)  # warm-up
@@ -283,6 +360,7 @@ def spawn(variant: str, workload: str, args) -> dict:
         workload,
     ]
     command += ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    command += ["--paired", str(args.paired)]
     if args.random_weights:
         command += ["--random-weights", str(args.random_weights.resolve())]
     if args.model or variant == "upstream":  # upstream's venv lacks genlm_backend's model lookup
@@ -319,6 +397,13 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per variant, interleaved; median kept"
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: floor and ours in turns in one process, ROUNDS rounds (ratio per round)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
@@ -336,6 +421,19 @@ def main(argv=None) -> None:
     print(
         f"# {platform.processor() or platform.machine()}, {args.device}, {args.dtype}, {args.threads} threads"
     )
+    if args.paired:
+        print(
+            "| workload | floor steps (s), per round | ours steps (s), per round | ours / floor, per round | median ratio |"
+        )
+        print("|---|---|---|---|---|")
+        results = []
+        for workload in args.workloads:
+            run = spawn("paired", workload, args)
+            results.append({"workload": workload} | run)
+            print(_paired_row(workload, run), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return
     print(
         "| workload | variant | prefill (s) | steps (s) | x floor | peak MB | KV held MB | KV shared MB | rows/step |"
     )
@@ -369,6 +467,19 @@ def median_run(runs: list[dict]) -> dict:
     if not good:
         return runs[0]
     return good[(len(good) - 1) // 2] | {"all_steps_s": [round(r["steps_s"], 3) for r in good]}
+
+
+def _paired_row(workload: str, run: dict) -> str:
+    if "error" in run:
+        return f"| {workload} | error: {run['error'].splitlines()[-1][:80]} | | | |"
+
+    def column(key, digits=2):
+        return ", ".join(f"{r[key]:.{digits}f}" for r in run["rounds"])
+
+    return (
+        f"| {workload} | {column('floor_s')} | {column('ours_s')} | {column('ratio')} | "
+        f"**{run['median_ratio']:.2f}x** |"
+    )
 
 
 def _row(workload: str, variant: str, run: dict, floor: float | None) -> str:

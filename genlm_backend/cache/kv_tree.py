@@ -28,23 +28,9 @@ from genlm_backend.cache.kv_block import (
     Placement,
     extendable_block,
 )
+from genlm_backend.cache.token_trie import TokenTrie, TrieNode
 
 __all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree", "Placement"]
-
-
-class _Node:
-    __slots__ = ("children", "entry", "is_attached", "parent", "token")
-
-    def __init__(self, parent: _Node | None, token: Hashable):
-        self.children: dict[Hashable, _Node] = {}
-        self.entry: KVEntry | None = None
-        self.parent = parent
-        self.token = token
-        self.is_attached = True  # False once pruned from the tree
-
-
-_NUM_RECENT_CONTEXTS = 1024
-"""Inserted contexts whose nodes :meth:`KVPrefixTree._deepest_node` remembers."""
 
 
 class KVPrefixTree:
@@ -63,15 +49,11 @@ class KVPrefixTree:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes)
-        self._roots: dict[Hashable, _Node] = {}
+        self._trie = TokenTrie()
         self._lru: OrderedDict[int, KVEntry] = OrderedDict()  # id(entry) -> entry
         self._blocks: dict[int, KVBlock] = {}  # id(block) -> live block
         self._bytes_held = 0
         self._num_evictions = 0
-        # (namespace, context) -> its node, for the latest inserted contexts: the
-        # next SMC step extends each by one token, so its lookup starts there
-        # instead of walking the whole prompt token by token.
-        self._recent: OrderedDict[tuple[Hashable, tuple], _Node] = OrderedDict()
 
     @property
     def bytes_held(self) -> int:
@@ -99,30 +81,12 @@ class KVPrefixTree:
         Returns ``(None, 0)`` when nothing is shared. Marks the entry and its
         ancestors used.
         """
-        node, depth = self._deepest_node(context, namespace)
+        node, depth = self._trie.deepest(context, namespace)
         if node is None or depth == 0:
             return None, 0
         best = self._any_entry_below(node)
         self._touch(best)
         return best, depth
-
-    def _deepest_node(
-        self, context: Sequence[int], namespace: Hashable
-    ) -> tuple[_Node | None, int]:
-        """The node of the longest prefix of ``context`` in the tree, and its depth."""
-        node, depth = self._roots.get(namespace), 0
-        if node is None:
-            return None, 0
-        if len(context) > 1:
-            hint = self._recent.get((namespace, tuple(context[:-1])))
-            if hint is not None and hint.is_attached:
-                node, depth = hint, len(context) - 1
-        for token in context[depth:]:
-            child = node.children.get(token)
-            if child is None:
-                break
-            node, depth = child, depth + 1
-        return node, depth
 
     def cached_length(self, context: Sequence[int], namespace: Hashable = None) -> int:
         """How many leading tokens of ``context`` have cached keys/values; marks nothing used.
@@ -131,10 +95,10 @@ class KVPrefixTree:
         lookups only): the answer may then be stale, which suits its use, an
         estimate of a request's cost before it is batched.
         """
-        return self._deepest_node(context, namespace)[1]
+        return self._trie.deepest(context, namespace)[1]
 
     @staticmethod
-    def _any_entry_below(node: _Node) -> KVEntry:
+    def _any_entry_below(node: TrieNode) -> KVEntry:
         # Every node without an entry has a descendant with one (empty branches are pruned).
         while node.entry is None:
             node = next(iter(node.children.values()))
@@ -204,23 +168,16 @@ class KVPrefixTree:
             self._lru.get(id(parent)) is not parent or parent.namespace != namespace
         ):
             raise ValueError("an entry's parent must be cached, under the same namespace")
-        node = self._roots.setdefault(namespace, _Node(None, namespace))
         if parent is not None:
             parent.dependents.add(entry)  # before the walk: the parent is on it and must stay
-        # Start below the node of the context's last inserted prefix, whose own
-        # insertion retired the entries above it.
-        depth = 0
-        hint = self._recent.get((namespace, tuple(context[:-1]))) if len(context) > 1 else None
-        if hint is not None and hint.is_attached:
-            node, depth = hint, len(context) - 1
+        # The walk starts below the node of the context's last inserted prefix,
+        # whose own insertion retired the entries above it.
+        node, depth = self._trie.insertion_start(context, namespace)
         for token in context[depth:]:
             if node.entry is not None and not node.entry.dependents:
                 # The new entry covers this ancestor's context: drop the copy.
                 self._evict(node.entry, prune=False)
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = _Node(node, token)
-            node = child
+            node = node.child(token)
         if node.entry is not None:
             if node.entry.dependents:
                 if parent is not None:
@@ -236,10 +193,7 @@ class KVPrefixTree:
         node.entry = entry
         self._lru[id(entry)] = entry
         self._touch(entry)
-        self._recent[namespace, tuple(context)] = node
-        self._recent.move_to_end((namespace, tuple(context)))
-        if len(self._recent) > _NUM_RECENT_CONTEXTS:
-            self._recent.popitem(last=False)
+        self._trie.remember(context, namespace, node)
 
     def _evict(self, entry: KVEntry, prune: bool = True) -> None:
         for dependent in list(entry.dependents):
@@ -249,22 +203,15 @@ class KVPrefixTree:
         if entry.parent is not None:
             entry.parent.dependents.discard(entry)
         node = entry.node
-        assert isinstance(node, _Node), "an entry in the LRU order is in the tree"
+        assert isinstance(node, TrieNode), "an entry in the LRU order is in the tree"
         entry.node = node.entry = None
         block = entry.block
         block.num_live_entries -= 1
         if block.num_live_entries == 0:
             del self._blocks[id(block)]
             self._bytes_held -= block.nbytes
-        while (
-            prune
-            and (parent := node.parent) is not None
-            and not node.children
-            and node.entry is None
-        ):
-            del parent.children[node.token]
-            node.is_attached = False
-            node = parent
+        if prune:
+            self._trie.prune(node)
 
     def commit(
         self,
@@ -297,11 +244,10 @@ class KVPrefixTree:
 
     def drop_namespace(self, namespace: Hashable) -> int:
         """Evict every entry of ``namespace`` (e.g. an adapter being unloaded); returns how many."""
-        root = self._roots.pop(namespace, None)
+        root = self._trie.pop_namespace(namespace)
         if root is None:
             return 0
-        self._recent.clear()
-        doomed = []
+        doomed: list[KVEntry] = []
         stack = [root]
         while stack:
             node = stack.pop()
@@ -323,8 +269,7 @@ class KVPrefixTree:
         for entry in self._lru.values():
             entry.node = None
             entry.dependents.clear()
-        self._roots.clear()
-        self._recent.clear()
+        self._trie.clear()
         self._lru.clear()
         self._blocks.clear()
         self._bytes_held = 0
