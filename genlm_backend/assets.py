@@ -199,19 +199,20 @@ def extract_files(tar: tarfile.TarFile, folder: Path) -> None:
     Raises:
         AssetFetchError: a member is a link, a device, or lands outside ``folder``.
     """
+    what = os.fsdecode(tar.name) if tar.name is not None else "a tarball"
     if hasattr(tarfile, "data_filter"):
         try:
             tar.extractall(folder, filter="data")
         except tarfile.FilterError as exc:
-            raise AssetFetchError(f"refusing to unpack {tar.name}: {exc}") from exc
+            raise AssetFetchError(f"refusing to unpack {what}: {exc}") from exc
         return
     root = folder.resolve()
     for member in tar.getmembers():
         if not (member.isfile() or member.isdir()):
-            raise AssetFetchError(f"refusing to unpack {tar.name}: {member.name!r} is not a file")
+            raise AssetFetchError(f"refusing to unpack {what}: {member.name!r} is not a file")
         if not (root / member.name).resolve().is_relative_to(root):
             raise AssetFetchError(
-                f"refusing to unpack {tar.name}: {member.name!r} lands outside the folder"
+                f"refusing to unpack {what}: {member.name!r} lands outside the folder"
             )
     tar.extractall(folder)
 
