@@ -42,7 +42,12 @@ def unpack(sdists: Path, work: Path, suite: str, backend: str) -> Path:
     target = work / "src" / backend
     shutil.rmtree(target / name, ignore_errors=True)
     with tarfile.open(sdists / f"{name}.tar.gz") as tar:
-        tar.extractall(target, filter="data")
+        # Python before 3.11.4 (Debian 12's 3.11.2) has no extraction filters; these
+        # sdists come from PyPI by pinned version.
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(target, filter="data")
+        else:
+            tar.extractall(target)
     for package_dir in package_dirs:
         shutil.rmtree(target / name / package_dir)
     return target / name

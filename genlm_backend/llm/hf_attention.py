@@ -88,22 +88,24 @@ def _cuda_attention_with_lse(query, key, value, mask, scale):
             grouped, key, value, 0.0, False, False, scale=scale
         )
         return output.reshape(query.shape), lse.reshape(query.shape[:3]).float()
-    # Memory-efficient kernel: any float dtype and masks, but no grouped heads.
-    if num_groups > 1:
-        key = key.repeat_interleave(num_groups, dim=1)
-        value = value.repeat_interleave(num_groups, dim=1)
+    # Memory-efficient kernel: any float dtype and masks, one query head per key/value
+    # head: grouped heads go in as more queries of their key/value head, as above.
+    num_kv_heads, num_keys = key.shape[1], key.shape[2]
+    grouped = query.reshape(num_rows, num_kv_heads, num_groups * num_queries, head_dim)
     bias = None
     if mask is not None:
-        # Its rows must be 16-element aligned: pad the storage, pass a view.
-        num_keys = key.shape[2]
-        padded = mask.new_empty(*mask.shape[:-1], math.ceil(num_keys / 16) * 16)
-        bias = padded[..., :num_keys]
-        bias.copy_(mask)
-        bias = bias.expand(query.shape[0], query.shape[1], *bias.shape[2:])
+        # Each query's mask row, once per grouped head; the bias's rows must be
+        # 16-element aligned: pad the storage, pass a view.
+        padded = mask.new_empty(
+            num_rows, num_kv_heads, num_groups, num_queries, math.ceil(num_keys / 16) * 16
+        )
+        padded[..., :num_keys].copy_(mask[:, :, None])
+        bias = padded.view(num_rows, num_kv_heads, num_groups * num_queries, -1)[..., :num_keys]
     output, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, True, 0.0, False, scale=scale
+        grouped, key, value, bias, True, 0.0, False, scale=scale
     )
-    return output, lse[..., : query.shape[2]].float()
+    num_grouped = num_groups * num_queries
+    return output.reshape(query.shape), lse[..., :num_grouped].reshape(query.shape[:3]).float()
 
 
 def _math_attention_with_lse(query, key, value, mask, scale):
@@ -156,12 +158,16 @@ def level_attention(
     return _ungroup(output, query.shape), _ungroup(lse, query.shape[:3])
 
 
-def _merge(output, lse, part_output, part_lse):
-    """Attention over the union of two key sets, from each one's output (float32) and log-sum-exp."""
-    merged_lse = torch.logaddexp(lse, part_lse)
-    output = output * torch.exp(lse - merged_lse)[..., None]
-    output += part_output.float() * torch.exp(part_lse - merged_lse)[..., None]
-    return output, merged_lse
+def _merge(output, lse, part_output, part_lse, with_lse: bool = True):
+    """Attention over the union of two key sets, from each one's output (float32) and log-sum-exp.
+
+    The first set's share of the softmax mass is ``sigmoid(lse - part_lse)``;
+    the merged log-sum-exp (``None`` unless ``with_lse``) is needed only if
+    another set follows.
+    """
+    share = torch.sigmoid(lse - part_lse)
+    merged = torch.lerp(part_output.float(), output, share[..., None])
+    return merged, torch.logaddexp(lse, part_lse) if with_lse else None
 
 
 def cascade_attention(
@@ -187,11 +193,13 @@ def cascade_attention(
     """
     output, lse = attention_with_lse(query, key, value, mask, scale)
     output = output.float()
-    for level in levels:
+    for number, level in enumerate(levels, 1):
         level_keys, level_values = level.keys_values(layer)
+        with_lse = number < len(levels)
         if level.rows is None:
             part_output, part_lse = level_attention(query, level_keys, level_values, scale)
-            output, lse = _merge(output, lse, part_output, part_lse)
+            output, merged_lse = _merge(output, lse, part_output, part_lse, with_lse)
+            lse = merged_lse if merged_lse is not None else lse
             continue
         part_output, part_lse = level_attention(
             query.index_select(0, level.rows), level_keys, level_values, scale
@@ -201,7 +209,9 @@ def cascade_attention(
             lse.index_select(0, level.rows),
             part_output,
             part_lse,
+            with_lse,
         )
         output = output.index_copy(0, level.rows, merged)
-        lse = lse.index_copy(0, level.rows, merged_lse)
+        if merged_lse is not None:
+            lse = lse.index_copy(0, level.rows, merged_lse)
     return output.to(query.dtype).transpose(1, 2).contiguous()
