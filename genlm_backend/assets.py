@@ -190,14 +190,15 @@ def _fetch_npm_package(spec: str, target: Path) -> None:
 
 
 def extract_files(tar: tarfile.TarFile, folder: Path) -> None:
-    """Unpack ``tar``'s files and folders into ``folder``, refusing anything else.
+    """Unpack ``tar`` into ``folder``, refusing members that would land or point outside it.
 
     Uses tarfile's ``"data"`` filter where Python has it (3.11.4 and later);
-    before that (Debian 12's 3.11.2, say) the same checks by hand: only
-    regular files and folders, all inside ``folder``.
+    before that (Debian 12's 3.11.2, say) stricter checks by hand: regular
+    files and folders only, all inside ``folder``.
 
     Raises:
-        AssetFetchError: a member is a link, a device, or lands outside ``folder``.
+        AssetFetchError: a member lands or links outside ``folder``, or (without
+            the filter) is anything but a file or a folder.
     """
     what = os.fsdecode(tar.name) if tar.name is not None else "a tarball"
     if hasattr(tarfile, "data_filter"):
