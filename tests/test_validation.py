@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import re
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.validation import validate_contexts
+from genlm_backend.llm.validation import _general_ids, _plain_ids_in_range, validate_contexts
 
 VOCAB_SIZE = 50
 
@@ -62,3 +66,38 @@ async def test_single_calls_name_token_ids_without_an_index(llm):
 async def test_batch_sample_names_the_bad_prompt(llm):
     with pytest.raises(ValueError, match=re.escape("prompt_token_ids_list[1]: token_ids[1]")):
         await llm.batch_sample([GOOD, OUT_OF_RANGE], max_tokens=2, eos_token_ids=[0])
+
+
+class _Small(enum.IntEnum):
+    ONE = 1
+
+
+_ELEMENTS = st.one_of(
+    st.integers(-3, VOCAB_SIZE + 3),
+    st.integers(-(2**40), 2**40),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(0, VOCAB_SIZE - 1).map(np.int64),
+    st.just(_Small.ONE),
+)
+
+
+@given(st.lists(_ELEMENTS, max_size=12), st.sampled_from([list, tuple]))
+def test_the_one_pass_check_agrees_with_the_element_by_element_one(elements, container):
+    token_ids = container(elements)
+    try:
+        expected = _general_ids(token_ids, VOCAB_SIZE)
+    except (TypeError, ValueError):
+        expected = None
+    fast = _plain_ids_in_range(token_ids, VOCAB_SIZE)
+    if fast is not None:  # it accepts only what the general path accepts, as plain ints
+        assert fast == expected and all(type(t) is int for t in fast)
+    if all(type(t) is int for t in elements) and expected:  # plain ints in range: never missed
+        assert fast == expected
+
+
+def test_plain_ids_of_a_long_context_take_the_one_pass_check():
+    context = [i % VOCAB_SIZE for i in range(5000)]
+    assert _plain_ids_in_range(context, VOCAB_SIZE) == tuple(context)
+    assert _plain_ids_in_range(context + [True], VOCAB_SIZE) is None
+    assert _plain_ids_in_range(context + [VOCAB_SIZE], VOCAB_SIZE) is None

