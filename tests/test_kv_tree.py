@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
+from genlm_backend.cache.token_trie import NUM_RECENT_CONTEXTS
 
 NUM_LAYERS = 2
 
@@ -158,15 +159,27 @@ def test_random_workloads_match_a_brute_force_model(seed, budget_blocks):
     rng = random.Random(seed)
     one_block = make_block([[0] * 6] * 3, [1] * 3, 8).nbytes
     tree = KVPrefixTree(budget_blocks * one_block)
+    # Tuples, some looked up again as the same object (the trie keeps what it found
+    # for a tuple by its identity), some extending an earlier one by a token.
+    seen: list[tuple[int, ...]] = []
+
+    def draw(length: int) -> tuple[int, ...]:
+        if seen and rng.random() < 0.4:
+            earlier = rng.choice(seen)
+            return earlier if rng.random() < 0.5 or len(earlier) >= 6 else earlier + (0,)
+        drawn = tuple(rng.randrange(3) for _ in range(length))
+        seen.append(drawn)
+        return drawn
+
     for _ in range(25):
-        contexts = [[rng.randrange(3) for _ in range(rng.randint(1, 6))] for _ in range(3)]
-        query = [rng.randrange(3) for _ in range(rng.randint(1, 7))]
+        contexts = [draw(rng.randint(1, 6)) for _ in range(3)]
+        query = draw(rng.randint(1, 7))
         live = [entry_context(entry) for entry in tree._lru.values()]
         expected = max((common_prefix(c, query) for c in live), default=0)
         _, shared = tree.longest_prefix(query)
         assert shared == expected
         if shared:
-            assert reused_tokens(tree, query) == query[:shared]
+            assert reused_tokens(tree, query) == list(query[:shared])
         block = make_block(contexts, [1] * 3, 8)
         if tree.reserve(block.nbytes):
             for row, context in enumerate(contexts):
@@ -205,3 +218,25 @@ def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_e
     short = [tree.longest_prefix(c[:2] + [9]) for c in contexts]  # branches off inside: slots taken
     assert tree.extendable_block([(e, min(n, 2)) for e, n in short]) is None
     assert not KVPrefixTree(0).commit(make_block(contexts, [0, 0], 5), [(contexts[0], 0, 0)])
+
+
+def test_a_prompt_others_continue_stays_a_walk_shortcut_past_many_newer_contexts():
+    # A new particle's first step behind a shared prompt starts at the prompt's
+    # node, however many contexts were inserted since; others are forgotten.
+    tree = KVPrefixTree(1 << 30)
+    prompt = list(range(100, 140))
+    cache_contexts(tree, [prompt])
+    prompt_entry, _ = tree.longest_prefix(prompt)
+    assert prompt_entry is not None
+    particles = [prompt + [i, i + 1] for i in range(NUM_RECENT_CONTEXTS + 10)]
+    for particle in particles:
+        block = make_block([particle[len(prompt) :]], [0], 2)
+        assert tree.reserve(block.nbytes)
+        tree.insert(particle, KVEntry(block, 0, 0, 2, len(prompt), prompt_entry))
+    trie = tree._trie
+    assert trie.insertion_start(tuple(prompt + [7]), None) == (prompt_entry.node, len(prompt))
+    oldest = particles[0]
+    assert trie.insertion_start(tuple(oldest + [7]), None)[1] == 0  # forgotten: walks from the root
+    assert trie.insertion_start(tuple(particles[-1] + [7]), None)[1] == len(oldest)
+    # Either way the walk finds the same node.
+    assert tree.cached_length(oldest + [7]) == len(oldest)
