@@ -130,44 +130,38 @@ def _math_attention_with_lse(query, key, value, mask, scale):
     return output.to(query.dtype), lse
 
 
-def _group_queries(query: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``[R, Hkv * g, L, D]`` -> ``[1, Hkv, R * g * L, D]``: every row's queries of a key/value head together."""
-    num_rows, num_q_heads, num_queries, head_dim = query.shape
-    num_kv_heads = num_q_heads // num_groups
-    grouped = query.view(num_rows, num_kv_heads, num_groups, num_queries, head_dim)
-    return grouped.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-
-
-def _ungroup(grouped: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`_group_queries` for outputs (``shape = [R, Hq, L, D]``) or log-sum-exps (``[R, Hq, L]``)."""
-    num_rows, num_q_heads = shape[0], shape[1]
-    num_kv_heads = grouped.shape[1]
-    per_head = grouped.view(num_kv_heads, num_rows, num_q_heads // num_kv_heads, *shape[2:])
-    return per_head.transpose(0, 1).reshape(shape)
-
-
-def level_attention(
+def _level_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of every query of ``query`` (``[R, Hq, L, D]``) over one level (``[1, Hkv, n, D]``), unmasked.
+    """Attention of every query of ``query`` (``[R, Hkv, g, L, D]``) over one level (``[1, Hkv, n, D]``), unmasked.
 
-    The level's keys are read once for all ``R`` rows and grouped heads.
+    The level's keys are read once for all ``R`` rows and ``g`` grouped heads:
+    they go in as ``R * g * L`` queries of their key/value head. Returns
+    views ``[R, Hkv, g, L, D]`` (query's dtype) and ``[R, Hkv, g, L]`` (float32).
     """
-    num_groups = query.shape[1] // keys.shape[1]
-    output, lse = attention_with_lse(_group_queries(query, num_groups), keys, values, None, scale)
-    return _ungroup(output, query.shape), _ungroup(lse, query.shape[:3])
+    num_rows, num_kv_heads, num_groups, num_queries, head_dim = query.shape
+    grouped = query.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+    output, lse = attention_with_lse(grouped, keys, values, None, scale)
+    shape = (num_rows, num_groups, num_queries)
+    return output[0].unflatten(1, shape).transpose(0, 1), lse[0].unflatten(1, shape).transpose(0, 1)
 
 
-def _merge(output, lse, part_output, part_lse, with_lse: bool = True):
-    """Attention over the union of two key sets, from each one's output (float32) and log-sum-exp.
+def _merge_into(
+    merged: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    other: torch.Tensor | None = None,
+) -> None:
+    """``merged`` becomes the attention over the union of two key sets; ``lse`` is the first's log-sum-exp.
 
-    The first set's share of the softmax mass is ``sigmoid(lse - part_lse)``;
-    the merged log-sum-exp (``None`` unless ``with_lse``) is needed only if
-    another set follows.
+    The first set's output is ``other`` (``merged`` itself when ``None``);
+    its share of the softmax mass is ``sigmoid(lse - part_lse)``. In half
+    precision the share is rounded to the outputs' dtype (as every other
+    operation of the model's layer is), so no float32 copy of an output is made.
     """
-    share = torch.sigmoid(lse - part_lse)
-    merged = torch.lerp(part_output.float(), output, share[..., None])
-    return merged, torch.logaddexp(lse, part_lse) if with_lse else None
+    share = torch.sigmoid(lse - part_lse).to(merged.dtype)[..., None]
+    torch.lerp(part, merged if other is None else other, share, out=merged)
 
 
 def cascade_attention(
@@ -181,6 +175,9 @@ def cascade_attention(
 ) -> torch.Tensor:
     """Attention of a batch over its levels and its own part, merged exactly.
 
+    Every part is computed in the grouped layout the kernels take and read
+    back through views; the merges write into the returned tensor.
+
     Args:
         layer: Index of the attention layer (which of each level's tensors to read).
         query: ``[B, Hq, L, D]``.
@@ -191,27 +188,35 @@ def cascade_attention(
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
-    output, lse = attention_with_lse(query, key, value, mask, scale)
-    output = output.float()
-    for number, level in enumerate(levels, 1):
+    num_rows, num_q_heads, num_queries, head_dim = query.shape
+    heads = (key.shape[1], num_q_heads // key.shape[1])
+    own, lse = attention_with_lse(query, key, value, mask, scale)
+    result = query.new_empty(num_rows, num_queries, num_q_heads, head_dim)
+    merged = result.transpose(1, 2).unflatten(1, heads)  # [B, Hkv, g, L, D], a view
+    query = query.unflatten(1, heads)
+    own, lse = own.unflatten(1, heads), lse.unflatten(1, heads)
+    for number, level in enumerate(levels):
         level_keys, level_values = level.keys_values(layer)
-        with_lse = number < len(levels)
+        first_set = own if number == 0 else None
         if level.rows is None:
-            part_output, part_lse = level_attention(query, level_keys, level_values, scale)
-            output, merged_lse = _merge(output, lse, part_output, part_lse, with_lse)
-            lse = merged_lse if merged_lse is not None else lse
+            part, part_lse = _level_attention(query, level_keys, level_values, scale)
+            if number + 1 < len(levels):
+                next_lse = torch.logaddexp(lse, part_lse)
+            _merge_into(merged, lse, part, part_lse, first_set)
+            if number + 1 < len(levels):
+                lse = next_lse
             continue
-        part_output, part_lse = level_attention(
+        if number == 0:
+            merged.copy_(own)
+        part, part_lse = _level_attention(
             query.index_select(0, level.rows), level_keys, level_values, scale
         )
-        merged, merged_lse = _merge(
-            output.index_select(0, level.rows),
-            lse.index_select(0, level.rows),
-            part_output,
-            part_lse,
-            with_lse,
-        )
-        output = output.index_copy(0, level.rows, merged)
-        if merged_lse is not None:
-            lse = lse.index_copy(0, level.rows, merged_lse)
-    return output.to(query.dtype).transpose(1, 2).contiguous()
+        selected = merged.index_select(0, level.rows)
+        selected_lse = lse.index_select(0, level.rows)
+        if number + 1 < len(levels):
+            lse = lse.index_copy(0, level.rows, torch.logaddexp(selected_lse, part_lse))
+        _merge_into(selected, selected_lse, part, part_lse)
+        merged.index_copy_(0, level.rows, selected)
+    if not levels:
+        merged.copy_(own)
+    return result

@@ -243,7 +243,8 @@ def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> N
     layer.batch_size, layer.num_heads = keys.shape[:2]
     layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
     layer.keys, layer.values = keys, values
-    layer.cumulative_length = torch.tensor(num_filled, dtype=torch.long, device=keys.device)
+    # a fill on the device: a tensor built from a Python int would be a host-to-device copy and a sync
+    layer.cumulative_length = torch.full((), num_filled, dtype=torch.long, device=keys.device)
     layer.is_initialized = True
 
 
