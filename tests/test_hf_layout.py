@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genlm_backend.llm import hf_layout as layout
 from genlm_backend.llm.hf_layout import shared_uncached_prefixes
 
 # Few token values and short contexts: branches, exact prefixes and duplicates of prefixes are common.
@@ -40,3 +42,9 @@ def test_every_pair_of_contexts_gets_its_shared_prefix_computed_first(contexts, 
         if len(q) < len(p) and p[: len(q)] == q:
             assert round_of[q] < round_of[p]
     assert all(rounds)  # no empty round
+
+
+@given(st.integers(0, 50), st.integers(0, 20), st.integers(1, 60))
+def test_positions_continue_each_row_and_stay_in_the_model_range(first, count, max_positions):
+    expected = torch.arange(first, first + count).clamp(max=max_positions - 1).tolist()
+    assert layout._positions(first, count, max_positions) == expected

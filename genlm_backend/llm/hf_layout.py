@@ -195,16 +195,23 @@ def copy_own_parts(
 def inputs(
     rows: list[Row], num_new: int, max_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``position_ids`` ``[B, num_new]``: each row's new tokens at its own positions."""
-    input_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
-    position_ids = torch.zeros(len(rows), num_new, dtype=torch.long)
-    for i, row in enumerate(rows):
-        new = row.context[row.reused :]
-        input_ids[i, : len(new)] = torch.tensor(new)
-        positions = torch.arange(row.reused, row.reused + num_new)
-        # Padding positions stay in the model's range.
-        position_ids[i] = positions.clamp_(max=max_positions - 1)
-    return input_ids.to(device), position_ids.to(device)
+    """``input_ids`` and ``position_ids`` ``[B, num_new]``: each row's new tokens at its own positions.
+
+    Built as Python lists and made tensors once: tensor operations per row
+    would cost a batch of 64 particles hundreds of small operations.
+    """
+    input_ids = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in rows]
+    position_ids = [_positions(row.reused, num_new, max_positions) for row in rows]
+    return (
+        torch.tensor(input_ids, dtype=torch.long).to(device),
+        torch.tensor(position_ids, dtype=torch.long).to(device),
+    )
+
+
+def _positions(first: int, count: int, max_positions: int) -> list[int]:
+    """``first, first + 1, ...`` (``count`` of them), held at the model's last position past it (padding)."""
+    end = max(first, min(first + count, max_positions))
+    return [*range(first, end), *[max_positions - 1] * (first + count - end)]
 
 
 def own_part_mask(
