@@ -371,7 +371,9 @@ def spawn(variant: str, workload: str, args) -> dict:
         text=True,
         check=False,
         cwd=tree,
-        env=os.environ | {"PYTHONPATH": str(tree)},
+        # the tree first; what the caller's path adds (e.g. newer wheels) stays after it
+        env=os.environ
+        | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))},
     )
     if result.returncode != 0:
         return {"error": result.stderr[-1500:]}
