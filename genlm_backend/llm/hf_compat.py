@@ -1,7 +1,8 @@
 """Every use of transformers' internals by the HF runner, in one place, checked at construction.
 
 The runner relies on transformers details beyond its documented API:
-``StaticCache`` layer attributes (adopting tensors the runner allocated),
+``StaticCache`` layer attributes (adopting tensors the runner allocated) and
+its construction from layers,
 the attention-function registry, ``config._attn_implementation``, and the
 config attribute names that give a decoder's shape and length. They are
 known to work with the versions in :data:`SUPPORTED_TRANSFORMERS`;
@@ -11,6 +12,7 @@ known to work with the versions in :data:`SUPPORTED_TRANSFORMERS`;
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
@@ -218,34 +220,61 @@ def attention_window(config) -> int | None:
     return min(windows) if windows else None
 
 
-def static_cache(config, num_slots: int):
-    """A ``StaticCache`` of ``num_slots`` slots per layer, sliding-window layers included (see :func:`attention_window`)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+class StaticCaches:
+    """Makes ``StaticCache``\\ s of any length for one model, sliding-window layers as full ones (see :func:`attention_window`).
 
-    cache = StaticCache(config=config, max_cache_len=num_slots)
-    cache.layers = [
-        StaticLayer(max_cache_len=num_slots)
-        if isinstance(layer, StaticSlidingWindowLayer)
-        else layer
-        for layer in cache.layers
-    ]
-    return cache
+    The model's layer types are read from its config once: ``StaticCache``'s
+    own constructor reads them on every call, about 1 ms of host time for a
+    32-layer config, once per forward pass of the runner.
+    """
+
+    def __init__(self, config):
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        self._config = config
+        self._num_layers = None
+        template = StaticCache(config=config, max_cache_len=1)
+        if all(isinstance(layer, StaticLayer) for layer in template.layers):
+            self._num_layers = len(template.layers)  # full or sliding: all become StaticLayer
+        self._sliding = StaticSlidingWindowLayer
+
+    def __call__(self, num_slots: int):
+        """A ``StaticCache`` of ``num_slots`` slots per layer, its layers not initialized."""
+        from transformers import StaticCache
+        from transformers.cache_utils import Cache, StaticLayer
+
+        if self._num_layers is None:  # other layer kinds: the constructor's own dispatch
+            cache = StaticCache(config=self._config, max_cache_len=num_slots)
+            cache.layers = [
+                StaticLayer(max_cache_len=num_slots) if isinstance(layer, self._sliding) else layer
+                for layer in cache.layers
+            ]
+            return cache
+        cache = StaticCache.__new__(StaticCache)
+        Cache.__init__(
+            cache, layers=[StaticLayer(max_cache_len=num_slots) for _ in range(self._num_layers)]
+        )
+        return cache
 
 
-def adopt(layer, keys: torch.Tensor, values: torch.Tensor, num_filled: int) -> None:
-    """Make a StaticCache layer use ``keys``/``values`` (``[B, H, T, D]``), ``num_filled`` slots already written.
+def adopt(cache, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_filled: int) -> None:
+    """Make each layer of a ``StaticCache`` use the runner's keys/values (``[B, H, T, D]``), ``num_filled`` slots already written.
 
     Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
     allocation: the runner writes or zeroes every slot itself.
     """
-    layer.dtype, layer.device = keys.dtype, keys.device
-    layer.batch_size, layer.num_heads = keys.shape[:2]
-    layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
-    layer.keys, layer.values = keys, values
-    # a fill on the device: a tensor built from a Python int would be a host-to-device copy and a sync
-    layer.cumulative_length = torch.full((), num_filled, dtype=torch.long, device=keys.device)
-    layer.is_initialized = True
+    keys = layers[0][0]
+    # One fill on the device, a 0-d view per layer (each layer adds to its own in place):
+    # a tensor built from a Python int would be a host-to-device copy and a sync.
+    filled = torch.full((len(layers),), num_filled, dtype=torch.long, device=keys.device)
+    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, layers)):
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.batch_size, layer.num_heads = keys.shape[:2]
+        layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+        layer.keys, layer.values = keys, values
+        layer.cumulative_length = filled[index]
+        layer.is_initialized = True
 
 
 def kv_shape(config) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
 from genlm_backend.llm import hf_layout as layout
 from genlm_backend.llm.hf_adapters import PeftAdapters
 from genlm_backend.llm.hf_compat import (
+    StaticCaches,
     adopt,
     cache_nbytes,
     check_transformers_version,
@@ -35,7 +36,6 @@ from genlm_backend.llm.hf_compat import (
     kv_shape,
     max_positions,
     shared_levels_unsupported,
-    static_cache,
 )
 from genlm_backend.llm.hf_layout import LevelPolicy, Row
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
@@ -64,6 +64,7 @@ class HFRunner:
         self.vocab_size = vocab_size
         self.num_tokens_computed = 0
         self._max_positions = max_positions(model.config)
+        self._static_cache = StaticCaches(model.config)
         self.levels_unsupported = shared_levels_unsupported(model)
         """Why shared prefixes are copied per row for this model (``None``: they are read once)."""
         self.level_policy = LevelPolicy(enabled=self.levels_unsupported is None)
@@ -243,7 +244,7 @@ class HFRunner:
         # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
-        cache = static_cache(config, num_slots)
+        cache = self._static_cache(num_slots)
         num_kv_heads, head_dim = kv_shape(config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
@@ -258,7 +259,7 @@ class HFRunner:
             for _ in cache.layers
         ]
         layout.copy_own_parts(rows, num_past, layers)
-        for layer, (keys, values) in zip(cache.layers, layers):
+        for keys, values in layers:
             # Every slot is written above or by the forward pass itself; only the
             # left padding is zeroed (masked, but it must not hold NaN bit patterns).
             for i, row in enumerate(rows):
@@ -267,14 +268,13 @@ class HFRunner:
                     values[i, :, : num_past - row.num_own_past] = 0
             keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
             values[:, :, num_past + num_new :] = 0
-            adopt(layer, keys, values, num_past)
+        adopt(cache, layers, num_past)
         return cache
 
     def _cache_over(self, block: KVBlock, num_past: int):
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
-        cache = static_cache(self.model.config, block.num_slots)
-        for layer, (keys, values) in zip(cache.layers, block.layers):
-            adopt(layer, keys, values, num_past)
+        cache = self._static_cache(block.num_slots)
+        adopt(cache, block.layers, num_past)
         return cache
 
 
