@@ -99,8 +99,13 @@ class HFRunner:
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         """``[len(requests), vocab_size]`` float32 log-probabilities on the model's device."""
+        groups = group_by_adapter(requests)
+        if len(groups) == 1:  # one adapter: the rows are already in order
+            ((adapter, _),) = groups.items()
+            with self.adapters.active(adapter):
+                return self.logprobs([request.context for request in requests], namespace=adapter)
         out = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
-        for adapter, positions in group_by_adapter(requests).items():
+        for adapter, positions in groups.items():
             with self.adapters.active(adapter):
                 out[positions] = self.logprobs(
                     [requests[i].context for i in positions], namespace=adapter
@@ -156,7 +161,7 @@ class HFRunner:
         return self._compute(rows, namespace)
 
     def _compute(self, rows: list[Row], namespace: Hashable) -> torch.Tensor:
-        out = torch.empty(len(rows), self.vocab_size, dtype=torch.float32, device=self.device)
+        out = None
         # Rows extending a cached context by one token (the SMC step) go together;
         # longer computations are batched apart so they do not pad the short ones.
         computed = []
@@ -166,7 +171,12 @@ class HFRunner:
         ):
             if group:
                 logprobs, block, num_past = self._forward(group)
-                out[[row.index for row in group]] = logprobs
+                if len(group) == len(rows):  # every row, in order
+                    out = logprobs
+                else:
+                    if out is None:
+                        out = logprobs.new_empty(len(rows), self.vocab_size)
+                    out[[row.index for row in group]] = logprobs
                 computed.append((group, block, num_past))
         # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
         for group, block, num_past in computed:
@@ -175,6 +185,7 @@ class HFRunner:
                 for i, row in enumerate(group)
             ]
             self.kv_tree.commit(block, placements, namespace)
+        assert out is not None, "a batch has at least one row"
         return out
 
     def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> Row:
