@@ -240,3 +240,14 @@ def test_a_prompt_others_continue_stays_a_walk_shortcut_past_many_newer_contexts
     assert trie.insertion_start(tuple(particles[-1] + [7]), None)[1] == len(oldest)
     # Either way the walk finds the same node.
     assert tree.cached_length(oldest + [7]) == len(oldest)
+
+
+def test_a_context_looked_up_by_identity_is_not_kept_alive_past_its_insertion():
+    tree = KVPrefixTree(1 << 20)
+    cache_contexts(tree, [[1, 2, 3]])
+    context = (1, 2, 3, 4)
+    assert tree.cached_length(context) == 3
+    assert tree.longest_prefix(context)[1] == 3  # the same tuple: the node found is reused
+    assert len(tree._trie._hints) == 1
+    cache_contexts(tree, [context])
+    assert len(tree._trie._hints) == 0

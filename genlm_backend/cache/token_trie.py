@@ -24,8 +24,9 @@ from genlm_backend.cache.kv_block import KVEntry
 NUM_RECENT_CONTEXTS = 1024
 """Inserted contexts whose nodes a :class:`TokenTrie` remembers (plus those others continue)."""
 
-_NUM_HINTS = 4096
-"""Contexts whose found node a :class:`TokenTrie` keeps by the context's identity."""
+_NUM_HINTS = 1024
+"""Most contexts whose found node a :class:`TokenTrie` keeps by the context's identity
+(each is dropped at its insertion, its last lookup; the oldest go first past this)."""
 
 
 class TrieNode:
@@ -82,6 +83,8 @@ class TokenTrie:
         shorter (whose own insertion walked the way above it), else the namespace's root."""
         root = self._roots.setdefault(namespace, TrieNode(None, namespace))
         hint = self._parent_hint(context, namespace)
+        # A request's last lookup: its context is not kept alive past it.
+        self._hints.pop(id(context), None)
         if hint is not None:
             return hint, len(context) - 1
         return root, 0
