@@ -230,24 +230,25 @@ class StaticCaches:
 
     def __init__(self, config):
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        from transformers.cache_utils import StaticLayer
 
         self._config = config
-        self._num_layers = None
+        self._num_layers: int | None = None
         template = StaticCache(config=config, max_cache_len=1)
         if all(isinstance(layer, StaticLayer) for layer in template.layers):
             self._num_layers = len(template.layers)  # full or sliding: all become StaticLayer
-        self._sliding = StaticSlidingWindowLayer
 
     def __call__(self, num_slots: int):
         """A ``StaticCache`` of ``num_slots`` slots per layer, its layers not initialized."""
         from transformers import StaticCache
-        from transformers.cache_utils import Cache, StaticLayer
+        from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
         if self._num_layers is None:  # other layer kinds: the constructor's own dispatch
             cache = StaticCache(config=self._config, max_cache_len=num_slots)
             cache.layers = [
-                StaticLayer(max_cache_len=num_slots) if isinstance(layer, self._sliding) else layer
+                StaticLayer(max_cache_len=num_slots)
+                if isinstance(layer, StaticSlidingWindowLayer)
+                else layer
                 for layer in cache.layers
             ]
             return cache
@@ -264,10 +265,10 @@ def adopt(cache, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_filled
     Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
     allocation: the runner writes or zeroes every slot itself.
     """
-    keys = layers[0][0]
     # One fill on the device, a 0-d view per layer (each layer adds to its own in place):
     # a tensor built from a Python int would be a host-to-device copy and a sync.
-    filled = torch.full((len(layers),), num_filled, dtype=torch.long, device=keys.device)
+    device = layers[0][0].device
+    filled = torch.full((len(layers),), num_filled, dtype=torch.long, device=device)
     for index, (layer, (keys, values)) in enumerate(zip(cache.layers, layers)):
         layer.dtype, layer.device = keys.dtype, keys.device
         layer.batch_size, layer.num_heads = keys.shape[:2]
