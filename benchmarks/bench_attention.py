@@ -18,11 +18,9 @@ import time
 from contextlib import nullcontext
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from genlm_backend.llm.hf_compat import (
-    adopt as _adopt,
-)
+from genlm_backend.llm.hf_compat import StaticCaches
 from genlm_backend.llm.hf_compat import (
     grouped_kv_attention as _grouped_kv_attention,
 )
@@ -55,22 +53,22 @@ def main() -> None:
             prefill = DynamicCache(config=config)
             model(ids, past_key_values=prefill, use_cache=True)
             slots = past + 1 + args.spare
-            cache = StaticCache(config=config, max_cache_len=slots)
-            for layer, prefilled in zip(cache.layers, prefill.layers):
+            layers = []
+            for prefilled in prefill.layers:
                 keys = prefilled.keys.new_zeros(
                     *prefilled.keys.shape[:2], slots, prefilled.keys.shape[3]
                 )
                 values = torch.zeros_like(keys)
                 keys[:, :, :past], values[:, :, :past] = prefilled.keys, prefilled.values
-                _adopt(layer, keys, values, past)
+                layers.append((keys, values))
+            caches = StaticCaches(config)
             mask = torch.zeros(args.rows, 1, 1, slots)
             mask[..., past + 1 :] = torch.finfo(torch.float32).min
             token = torch.randint(0, config.vocab_size, (args.rows, 1), generator=generator)
             positions = torch.full((args.rows, 1), past)
 
             def step(grouped: bool) -> torch.Tensor:
-                for layer in cache.layers:
-                    layer.cumulative_length.fill_(past)
+                cache = caches(layers, past)  # the new token goes to slot `past`
                 with _grouped_kv_attention(model) if grouped else nullcontext():
                     return model(
                         token,

@@ -221,61 +221,81 @@ def attention_window(config) -> int | None:
 
 
 class StaticCaches:
-    """Makes ``StaticCache``\\ s of any length for one model, sliding-window layers as full ones (see :func:`attention_window`).
+    """Makes ``StaticCache``\\ s over the runner's tensors for one model, sliding-window layers as full ones (see :func:`attention_window`).
 
-    The model's layer types are read from its config once: ``StaticCache``'s
-    own constructor reads them on every call, about 1 ms of host time for a
-    32-layer config, once per forward pass of the runner.
+    The model's layer kinds are checked once: ``StaticCache``'s own
+    constructor reads them from the config on every call, about 1 ms of host
+    time for a 32-layer config, once per forward pass of the runner.
+
+    Raises:
+        NotImplementedError: a layer keeps something other than softmax
+            attention's keys and values (linear-attention or indexer state).
     """
 
     def __init__(self, config):
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-        self._config = config
-        self._num_layers: int | None = None
         template = StaticCache(config=config, max_cache_len=1)
-        if all(isinstance(layer, StaticLayer) for layer in template.layers):
-            self._num_layers = len(template.layers)  # full or sliding: all become StaticLayer
+        kinds = {type(layer) for layer in template.layers}
+        if not kinds <= {StaticLayer, StaticSlidingWindowLayer}:
+            names = sorted(kind.__name__ for kind in kinds - {StaticLayer, StaticSlidingWindowLayer})
+            raise NotImplementedError(
+                f"AsyncTransformer serves models whose every layer is softmax attention over "
+                f"cached keys and values; this model's cache has layers of kind {', '.join(names)}"
+            )
+        self.num_layers = len(template.layers)
+        self._layer = _runner_layer_class()
 
-    def __call__(self, num_slots: int):
-        """A ``StaticCache`` of ``num_slots`` slots per layer, its layers not initialized."""
+    def __call__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_filled: int):
+        """A ``StaticCache`` whose layers hold ``layers``' keys and values (``[B, H, T, D]`` each), ``num_filled`` slots written.
+
+        The forward pass writes its new keys/values from slot ``num_filled`` on.
+        """
         from transformers import StaticCache
-        from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
+        from transformers.cache_utils import Cache
 
-        if self._num_layers is None:  # other layer kinds: the constructor's own dispatch
-            cache = StaticCache(config=self._config, max_cache_len=num_slots)
-            cache.layers = [
-                StaticLayer(max_cache_len=num_slots)
-                if isinstance(layer, StaticSlidingWindowLayer)
-                else layer
-                for layer in cache.layers
-            ]
-            return cache
         cache = StaticCache.__new__(StaticCache)
-        Cache.__init__(
-            cache, layers=[StaticLayer(max_cache_len=num_slots) for _ in range(self._num_layers)]
-        )
+        Cache.__init__(cache, layers=[self._layer(keys, values, num_filled) for keys, values in layers])
         return cache
 
 
-def adopt(cache, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_filled: int) -> None:
-    """Make each layer of a ``StaticCache`` use the runner's keys/values (``[B, H, T, D]``), ``num_filled`` slots already written.
+@functools.cache
+def _runner_layer_class():
+    from transformers.cache_utils import StaticLayer
 
-    Sets what ``StaticLayer.lazy_initialization`` sets, without its zero-filled
-    allocation: the runner writes or zeroes every slot itself.
-    """
-    # One fill on the device, a 0-d view per layer (each layer adds to its own in place):
-    # a tensor built from a Python int would be a host-to-device copy and a sync.
-    device = layers[0][0].device
-    filled = torch.full((len(layers),), num_filled, dtype=torch.long, device=device)
-    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, layers)):
-        layer.dtype, layer.device = keys.dtype, keys.device
-        layer.batch_size, layer.num_heads = keys.shape[:2]
-        layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
-        layer.keys, layer.values = keys, values
-        layer.cumulative_length = filled[index]
-        layer.is_initialized = True
+    class RunnerLayer(StaticLayer):
+        """A ``StaticLayer`` over the runner's tensors, writing each update at a slot kept as a Python int.
+
+        ``StaticLayer.update`` finds its slots from a 0-d position tensor: an
+        ``arange``, two additions and two indexed copies per layer and pass,
+        and a tensor allocated per layer at construction. Here an update is
+        two slice copies: 4 device operations per layer instead of 8 (the
+        runner knows the slot every new token goes to).
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, num_filled: int):
+            # What StaticLayer's __init__ and lazy_initialization set, without their
+            # allocations: the position tensor is never read here, the runner owns the tensors.
+            self.max_cache_len = keys.shape[2]
+            self.dtype, self.device = keys.dtype, keys.device
+            self.batch_size, self.num_heads = keys.shape[:2]
+            self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+            self.keys, self.values = keys, values
+            self.is_initialized = True
+            self.cumulative_length = num_filled  # an int, as CacheLayerMixin.reset allows
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            start, num_new = self.cumulative_length, key_states.shape[-2]
+            self.keys.narrow(2, start, num_new).copy_(key_states)
+            self.values.narrow(2, start, num_new).copy_(value_states)
+            self.cumulative_length = start + num_new
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.cumulative_length
+
+    return RunnerLayer
 
 
 def kv_shape(config) -> tuple[int, int]:
@@ -297,7 +317,7 @@ def max_positions(config) -> int:
     )
 
 
-def cache_nbytes(cache, batch, heads, slots, head_dim, dtype) -> int:
+def cache_nbytes(num_layers, batch, heads, slots, head_dim, dtype) -> int:
     """Bytes of a cache's keys and values: ``[batch, heads, slots, head_dim]`` twice per layer."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(cache.layers) * batch * heads * slots * head_dim * element
+    return 2 * num_layers * batch * heads * slots * head_dim * element

@@ -28,7 +28,6 @@ from genlm_backend.llm import hf_layout as layout
 from genlm_backend.llm.hf_adapters import PeftAdapters
 from genlm_backend.llm.hf_compat import (
     StaticCaches,
-    adopt,
     cache_nbytes,
     check_transformers_version,
     grouped_kv_attention,
@@ -255,11 +254,11 @@ class HFRunner:
         # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
-        cache = self._static_cache(num_slots)
+        num_layers = self._static_cache.num_layers
         num_kv_heads, head_dim = kv_shape(config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
-            cache_nbytes(cache, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
+            cache_nbytes(num_layers, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
             pinned=[entry for row in rows for entry, _ in row.levels + row.own],
         )
         layers = [
@@ -267,7 +266,7 @@ class HFRunner:
                 torch.empty(shape, dtype=self.model.dtype, device=self.device),
                 torch.empty(shape, dtype=self.model.dtype, device=self.device),
             )
-            for _ in cache.layers
+            for _ in range(num_layers)
         ]
         layout.copy_own_parts(rows, num_past, layers)
         for keys, values in layers:
@@ -279,14 +278,11 @@ class HFRunner:
                     values[i, :, : num_past - row.num_own_past] = 0
             keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
             values[:, :, num_past + num_new :] = 0
-        adopt(cache, layers, num_past)
-        return cache
+        return self._static_cache(layers, num_past)
 
     def _cache_over(self, block: KVBlock, num_past: int):
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
-        cache = self._static_cache(block.num_slots)
-        adopt(cache, block.layers, num_past)
-        return cache
+        return self._static_cache(block.layers, num_past)
 
 
 def _num_spare_slots(num_past: int) -> int:
