@@ -169,6 +169,24 @@ def test_context_longer_than_the_model_is_rejected_before_model_work(tiny_gpt2):
     assert llm.stats.num_batches == 0
 
 
+def test_a_model_with_linear_attention_layers_is_rejected_by_name():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,  # the default pattern: three linear-attention layers, one full
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=0,
+    )
+    model = Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="LinearAttentionLayer"):
+        AsyncTransformer(model, None, byte_vocab=[bytes([i]) for i in range(64)])
+
+
 def test_output_is_trimmed_to_the_tokenizer_vocabulary(gpt2_tokenizer):
     from tests.conftest import build_tiny_gpt2
 
