@@ -265,7 +265,7 @@ def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> fl
     """
     import torch
 
-    from genlm_backend.llm.hf_attention import attention_with_lse
+    from genlm_backend.llm.hf_attention import prefix_attention_with_lse
     from genlm_backend.llm.hf_compat import kv_shape
 
     config = model.config.get_text_config(decoder=True)
@@ -285,12 +285,12 @@ def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> fl
     ]
     scale = head_dim**-0.5
     for keys, values in layers:  # warm-up
-        attention_with_lse(query, keys, values, None, scale)
+        prefix_attention_with_lse(query, keys, values, scale)
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         for keys, values in layers:
-            attention_with_lse(query, keys, values, None, scale)
+            prefix_attention_with_lse(query, keys, values, scale)
     synchronize(device)
     return time.perf_counter() - start
 

@@ -14,7 +14,13 @@ import torch
 
 from genlm_backend.cache.kv_block import KVBlock
 from genlm_backend.llm.hf import AsyncTransformer
-from genlm_backend.llm.hf_attention import Level, attention_with_lse, cascade_attention
+from genlm_backend.llm.hf_attention import (
+    Cascade,
+    Level,
+    attention_with_lse,
+    cascade_attention,
+    prefix_attention_with_lse,
+)
 from genlm_backend.llm.hf_attention import _math_attention_with_lse as math_attention_with_lse
 from genlm_backend.llm.hf_layout import LevelPolicy
 from genlm_backend.llm.runner import Request
@@ -245,10 +251,26 @@ def test_fused_and_plain_attention_with_lse_equal_the_reference(with_mask):
     query, key, value, mask = random_attention_inputs(torch.Generator().manual_seed(0))
     mask = mask if with_mask else None
     expected, expected_lse = reference_attention(query, key, value, mask, 0.125)
-    for attend in (attention_with_lse, math_attention_with_lse):
-        output, lse = attend(query, key, value, mask, 0.125)
+    grouped, grouped_lse = math_attention_with_lse(query, key, value, mask, 0.125)
+    for output, lse in (
+        attention_with_lse(query, key, value, mask, 0.125),
+        (
+            grouped.flatten(1, 2),
+            grouped_lse.flatten(1, 2),
+        ),  # [B, Hkv, g, L, ...] -> [B, Hq, L, ...]
+    ):
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+
+
+def test_prefix_attention_with_lse_equals_the_reference():
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 2, 24, 64, generator=generator)  # 24 queries per key/value head
+    key, value = torch.randn(2, 1, 2, 40, 64, generator=generator)
+    expected, expected_lse = reference_attention(query, key, value, None, 0.125)
+    output, lse = prefix_attention_with_lse(query, key, value, 0.125)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
 
 
 def test_cascade_attention_equals_attention_over_the_concatenation():
@@ -260,7 +282,7 @@ def test_cascade_attention_equals_attention_over_the_concatenation():
 
     block = KVBlock([(block_keys, block_values)])
     levels = [Level(block, 0, 0, 30, None), Level(block, 1, 5, 12, torch.tensor([0, 2]))]
-    output = cascade_attention(0, query, own_keys, own_values, mask, 0.125, levels)
+    output = cascade_attention(0, query, own_keys, own_values, mask, 0.125, Cascade(levels))
     for row in range(3):
         keys = [block_keys[0:1, :, :30]] + ([block_keys[1:2, :, 5:17]] if row != 1 else [])
         values = [block_values[0:1, :, :30]] + ([block_values[1:2, :, 5:17]] if row != 1 else [])

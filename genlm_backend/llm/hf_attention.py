@@ -44,10 +44,50 @@ class Level:
     rows: torch.Tensor | None
 
     def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[1, H, length, D]`` of the level's keys and values in ``layer``."""
+        """The level's keys and values in ``layer``, ``[1, H, length, D]`` (views, or the block's own tensors)."""
         keys, values = self.block.layers[layer]
+        if keys.shape[0] == 1 and self.start == 0 and self.length == keys.shape[2]:
+            return keys, values  # a block holding just this level, such as a prompt's
         span = slice(self.start, self.start + self.length)
         return keys[self.row : self.row + 1, :, span], values[self.row : self.row + 1, :, span]
+
+
+class Cascade:
+    """What every attention layer of one forward pass reads besides its own part.
+
+    Holds the pass's levels, and the own part's mask in the layout the
+    device's kernel takes, made by the first layer for all of them.
+    """
+
+    def __init__(self, levels: list[Level]):
+        self.levels = levels
+        self._kernel_masks: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def kernel_mask(self, mask: torch.Tensor, num_groups: int, num_kv_heads: int) -> torch.Tensor:
+        """:func:`kernel_mask` of ``mask``, made once per pass."""
+        key = (id(mask), num_groups, num_kv_heads)
+        made = self._kernel_masks.get(key)
+        if made is None or made[0] is not mask:
+            made = self._kernel_masks[key] = (mask, kernel_mask(mask, num_groups, num_kv_heads))
+        return made[1]
+
+
+def kernel_mask(mask: torch.Tensor, num_groups: int, num_kv_heads: int) -> torch.Tensor:
+    """An additive ``[B, 1, L, S]`` mask in the layout :func:`grouped_attention_with_lse` hands its device's kernel.
+
+    On CUDA the memory-efficient kernel takes one query head per key/value
+    head, grouped heads going in as more queries: each query's mask row once
+    per grouped head, ``[B, Hkv, g * L, S]``, rows 16-element aligned (a view
+    of padded storage). Elsewhere the mask itself.
+    """
+    if mask.device.type != "cuda":
+        return mask
+    num_rows, _, num_queries, num_keys = mask.shape
+    padded = mask.new_empty(
+        num_rows, num_kv_heads, num_groups, num_queries, math.ceil(num_keys / 16) * 16
+    )
+    padded[..., :num_keys].copy_(mask[:, :, None])
+    return padded.view(num_rows, num_kv_heads, num_groups * num_queries, -1)[..., :num_keys]
 
 
 def attention_with_lse(
@@ -68,48 +108,82 @@ def attention_with_lse(
     Returns:
         ``output [B, Hq, L, D]`` in ``query``'s dtype and ``lse [B, Hq, L]`` in float32.
     """
+    num_kv_heads = key.shape[1]
+    num_groups = query.shape[1] // num_kv_heads
+    if mask is not None:
+        mask = kernel_mask(mask, num_groups, num_kv_heads)
+    output, lse = grouped_attention_with_lse(query, key, value, mask, scale)
+    return output.flatten(1, 2), lse.flatten(1, 2)
+
+
+def grouped_attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse` with ``mask`` made by :func:`kernel_mask`, results ``[B, Hkv, g, L, D]`` and ``[B, Hkv, g, L]``.
+
+    The results are views of the kernel's outputs, grouped heads next to
+    their key/value head.
+    """
+    num_rows, num_q_heads, num_queries, head_dim = query.shape
+    heads = (key.shape[1], num_q_heads // key.shape[1])
     if query.device.type == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=mask, scale=scale
         )
-        return output, lse.float()
+        return output.unflatten(1, heads), _float32(lse).unflatten(1, heads)
     if query.device.type == "cuda":
-        return _cuda_attention_with_lse(query, key, value, mask, scale)
+        # Grouped heads as more queries of their key/value head: [B, Hkv, g * L, D].
+        grouped = query.reshape(num_rows, heads[0], heads[1] * num_queries, head_dim)
+        output, lse = _cuda_attention_with_lse(grouped, key, value, mask, scale)
+        shape = (heads[1], num_queries)
+        return output.unflatten(2, shape), lse.unflatten(2, shape)
     return _math_attention_with_lse(query, key, value, mask, scale)
 
 
-def _cuda_attention_with_lse(query, key, value, mask, scale):
-    num_rows, num_q_heads, num_queries, head_dim = query.shape
-    num_groups = num_q_heads // key.shape[1]
-    if mask is None and query.dtype in (torch.float16, torch.bfloat16):
-        # Flash kernel: grouped heads as more queries of their key/value head, [B, Hkv, g * L, D].
-        grouped = query.reshape(num_rows, key.shape[1], num_groups * num_queries, head_dim)
+def prefix_attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``[1, Hkv, N, D]`` queries over ``[1, Hkv, S, D]`` keys, unmasked: ``[1, Hkv, N, D]`` and ``[1, Hkv, N]``.
+
+    One query per key/value head position: the layout in which a level's
+    keys are read once by every row and grouped head. Nothing but the kernel
+    runs on CPU and (in half precision) on CUDA.
+    """
+    if query.device.type == "cpu":
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, scale=scale
+        )
+        return output, _float32(lse)
+    if query.device.type == "cuda":
+        return _cuda_attention_with_lse(query, key, value, None, scale)
+    output, lse = _math_attention_with_lse(query, key, value, None, scale)
+    return output.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _float32(lse: torch.Tensor) -> torch.Tensor:
+    return lse if lse.dtype == torch.float32 else lse.float()
+
+
+def _cuda_attention_with_lse(query, key, value, bias, scale):
+    """One query head per key/value head (``[B, Hkv, N, D]``): the fused flash kernel (half
+    precision, no mask), else the memory-efficient one (any float dtype, masks made by :func:`kernel_mask`)."""
+    if bias is None and query.dtype in (torch.float16, torch.bfloat16):
         output, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            grouped, key, value, 0.0, False, False, scale=scale
+            query, key, value, 0.0, False, False, scale=scale
         )
-        return output.reshape(query.shape), lse.reshape(query.shape[:3]).float()
-    # Memory-efficient kernel: any float dtype and masks, one query head per key/value
-    # head: grouped heads go in as more queries of their key/value head, as above.
-    num_kv_heads, num_keys = key.shape[1], key.shape[2]
-    grouped = query.reshape(num_rows, num_kv_heads, num_groups * num_queries, head_dim)
-    bias = None
-    if mask is not None:
-        # Each query's mask row, once per grouped head; the bias's rows must be
-        # 16-element aligned: pad the storage, pass a view.
-        padded = mask.new_empty(
-            num_rows, num_kv_heads, num_groups, num_queries, math.ceil(num_keys / 16) * 16
-        )
-        padded[..., :num_keys].copy_(mask[:, :, None])
-        bias = padded.view(num_rows, num_kv_heads, num_groups * num_queries, -1)[..., :num_keys]
+        return output, lse
     output, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        grouped, key, value, bias, True, 0.0, False, scale=scale
+        query, key, value, bias, True, 0.0, False, scale=scale
     )
-    num_grouped = num_groups * num_queries
-    return output.reshape(query.shape), lse[..., :num_grouped].reshape(query.shape[:3]).float()
+    return output, lse[..., : query.shape[2]]  # its rows are padded to a multiple of 32
 
 
 def _math_attention_with_lse(query, key, value, mask, scale):
-    """Plain products, grouped heads kept grouped, in query chunks of bounded size."""
+    """Plain products, grouped heads kept grouped, in query chunks of bounded size: ``[B, Hkv, g, L, D]`` and ``[B, Hkv, g, L]``."""
     num_batch, num_q_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_keys = key.shape[1], key.shape[2]
     num_groups = num_q_heads // num_kv_heads
@@ -125,9 +199,7 @@ def _math_attention_with_lse(query, key, value, mask, scale):
         lse = scores.logsumexp(-1)
         outputs.append(torch.exp(scores - lse[..., None]) @ value)
         lses.append(lse)
-    output = torch.cat(outputs, dim=3).view(num_batch, num_q_heads, num_queries, head_dim)
-    lse = torch.cat(lses, dim=3).view(num_batch, num_q_heads, num_queries)
-    return output.to(query.dtype), lse
+    return torch.cat(outputs, dim=3).to(query.dtype), torch.cat(lses, dim=3)
 
 
 def _level_attention(
@@ -141,9 +213,11 @@ def _level_attention(
     """
     num_rows, num_kv_heads, num_groups, num_queries, head_dim = query.shape
     grouped = query.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-    output, lse = attention_with_lse(grouped, keys, values, None, scale)
-    shape = (num_rows, num_groups, num_queries)
-    return output[0].unflatten(1, shape).transpose(0, 1), lse[0].unflatten(1, shape).transpose(0, 1)
+    output, lse = prefix_attention_with_lse(grouped, keys, values, scale)
+    # [1, Hkv, R * g * L, ...] -> [Hkv, R, g, L, ...]: splits one dimension, a view of any strides
+    output = output.view(num_kv_heads, num_rows, num_groups, num_queries, head_dim)
+    lse = lse.view(num_kv_heads, num_rows, num_groups, num_queries)
+    return output.transpose(0, 1), lse.transpose(0, 1)
 
 
 def _merge_into(
@@ -160,8 +234,10 @@ def _merge_into(
     precision the share is rounded to the outputs' dtype (as every other
     operation of the model's layer is), so no float32 copy of an output is made.
     """
-    share = torch.sigmoid(lse - part_lse).to(merged.dtype)[..., None]
-    torch.lerp(part, merged if other is None else other, share, out=merged)
+    share = torch.sigmoid(lse - part_lse)
+    if share.dtype != merged.dtype:
+        share = share.to(merged.dtype)
+    torch.lerp(part, merged if other is None else other, share[..., None], out=merged)
 
 
 def cascade_attention(
@@ -171,7 +247,7 @@ def cascade_attention(
     value: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    levels: list[Level],
+    cascade: Cascade,
 ) -> torch.Tensor:
     """Attention of a batch over its levels and its own part, merged exactly.
 
@@ -183,18 +259,19 @@ def cascade_attention(
         query: ``[B, Hq, L, D]``.
         key, value: The own part, ``[B, Hkv, S, D]``.
         mask: Additive ``[B, 1, L, S]`` over the own part.
-        levels: The cached prefixes, each fully visible to its rows' queries.
+        cascade: The pass's levels, each fully visible to its rows' queries.
 
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
     num_rows, num_q_heads, num_queries, head_dim = query.shape
     heads = (key.shape[1], num_q_heads // key.shape[1])
-    own, lse = attention_with_lse(query, key, value, mask, scale)
+    own_mask = cascade.kernel_mask(mask, heads[1], heads[0])
+    own, lse = grouped_attention_with_lse(query, key, value, own_mask, scale)
     result = query.new_empty(num_rows, num_queries, num_q_heads, head_dim)
     merged = result.transpose(1, 2).unflatten(1, heads)  # [B, Hkv, g, L, D], a view
     query = query.unflatten(1, heads)
-    own, lse = own.unflatten(1, heads), lse.unflatten(1, heads)
+    levels = cascade.levels
     for number, level in enumerate(levels):
         level_keys, level_values = level.keys_values(layer)
         first_set = own if number == 0 else None

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from genlm_backend.llm.hf_attention import cascade_attention
+from genlm_backend.llm.hf_attention import Cascade, cascade_attention
 
 SUPPORTED_TRANSFORMERS = (5, 6)
 """Major versions of transformers whose internals this module was written against: ``[5, 6)``."""
@@ -124,13 +124,13 @@ def _genlm_attention(
     dropout=0.0,
     scaling=None,
     is_causal=None,
-    genlm_levels=None,
+    genlm_cascade: Cascade | None = None,
     genlm_causal=False,
     **kwargs,
 ):
     """The runner's attention function: :func:`~genlm_backend.llm.hf_attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
 
-    ``genlm_levels`` and ``genlm_causal`` (the mask is plain causal over
+    ``genlm_cascade`` (the pass's levels) and ``genlm_causal`` (the mask is plain causal over
     every key) reach it as keywords of the model's forward call, which
     transformers hands to every attention function.
     """
@@ -144,7 +144,7 @@ def _genlm_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
         return output.transpose(1, 2).contiguous(), None
-    if not genlm_levels:
+    if genlm_cascade is None:
         return _sdpa_grouped_kv(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
@@ -155,7 +155,7 @@ def _genlm_attention(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     output = cascade_attention(
-        module.layer_idx, query, key, value, attention_mask, scale, genlm_levels
+        module.layer_idx, query, key, value, attention_mask, scale, genlm_cascade
     )
     return output, None
 
@@ -239,7 +239,9 @@ class StaticCaches:
         template = StaticCache(config=config, max_cache_len=1)
         kinds = {type(layer) for layer in template.layers}
         if not kinds <= {StaticLayer, StaticSlidingWindowLayer}:
-            names = sorted(kind.__name__ for kind in kinds - {StaticLayer, StaticSlidingWindowLayer})
+            names = sorted(
+                kind.__name__ for kind in kinds - {StaticLayer, StaticSlidingWindowLayer}
+            )
             raise NotImplementedError(
                 f"AsyncTransformer serves models whose every layer is softmax attention over "
                 f"cached keys and values; this model's cache has layers of kind {', '.join(names)}"
@@ -256,7 +258,9 @@ class StaticCaches:
         from transformers.cache_utils import Cache
 
         cache = StaticCache.__new__(StaticCache)
-        Cache.__init__(cache, layers=[self._layer(keys, values, num_filled) for keys, values in layers])
+        Cache.__init__(
+            cache, layers=[self._layer(keys, values, num_filled) for keys, values in layers]
+        )
         return cache
 
 

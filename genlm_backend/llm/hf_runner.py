@@ -26,6 +26,7 @@ import torch
 from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
 from genlm_backend.llm import hf_layout as layout
 from genlm_backend.llm.hf_adapters import PeftAdapters
+from genlm_backend.llm.hf_attention import Cascade
 from genlm_backend.llm.hf_compat import (
     StaticCaches,
     cache_nbytes,
@@ -236,7 +237,7 @@ class HFRunner:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=max(1, num_new),
-                **({"genlm_levels": levels} if levels else {}),
+                **({"genlm_cascade": Cascade(levels)} if levels else {}),
                 **({"genlm_causal": True} if is_causal else {}),
             )
         # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
@@ -258,7 +259,9 @@ class HFRunner:
         num_kv_heads, head_dim = kv_shape(config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
-            cache_nbytes(num_layers, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype),
+            cache_nbytes(
+                num_layers, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype
+            ),
             pinned=[entry for row in rows for entry, _ in row.levels + row.own],
         )
         layers = [
