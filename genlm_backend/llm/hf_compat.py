@@ -287,17 +287,19 @@ def _runner_layer_class():
             self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
             self.keys, self.values = keys, values
             self.is_initialized = True
-            self.cumulative_length = num_filled  # an int, as CacheLayerMixin.reset allows
+            self._tensors = (keys, values)
+            self._next_slot = num_filled
 
         def update(self, key_states, value_states, *args, **kwargs):
-            start, num_new = self.cumulative_length, key_states.shape[-2]
-            self.keys.narrow(2, start, num_new).copy_(key_states)
-            self.values.narrow(2, start, num_new).copy_(value_states)
-            self.cumulative_length = start + num_new
-            return self.keys, self.values
+            (keys, values), start = self._tensors, self._next_slot
+            num_new = key_states.shape[-2]
+            keys.narrow(2, start, num_new).copy_(key_states)
+            values.narrow(2, start, num_new).copy_(value_states)
+            self._next_slot = start + num_new
+            return keys, values
 
         def get_seq_length(self) -> int:
-            return self.cumulative_length
+            return self._next_slot
 
     return RunnerLayer
 
