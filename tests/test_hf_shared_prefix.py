@@ -24,9 +24,32 @@ from genlm_backend.llm.hf_attention import (
 from genlm_backend.llm.hf_attention import _math_attention_with_lse as math_attention_with_lse
 from genlm_backend.llm.hf_layout import LevelPolicy
 from genlm_backend.llm.runner import Request
+from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 from tests.test_hf import assert_matches_reference, random_workload
 
 EVERY_PIECE_A_LEVEL = LevelPolicy(min_shared_tokens=1, min_unshared_tokens=1)
+
+NEEDS_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=NEEDS_CUDA), "emulated"])
+def cuda_path(request):
+    """The device on which ``hf_attention``'s CUDA code runs: a GPU, or the CPU with CUDA's kernels emulated.
+
+    The emulation (``tests/cuda_emulation.py``) checks the inputs the fused
+    kernels accept and returns their output layouts, so the code around the
+    kernels is tested on machines without a GPU; the GPU runs check the kernels.
+    """
+    if request.param == "cuda":
+        yield "cuda"
+        return
+    kernels = EmulatedCudaKernels()
+    with cuda_branches(), kernels:
+        yield "cpu"
+    assert sum(kernels.calls.values()) > 0, "the CUDA kernels were never called"
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
@@ -299,31 +322,27 @@ def test_cascade_attention_equals_attention_over_the_concatenation():
         torch.testing.assert_close(output[row], expected[0].transpose(0, 1), atol=1e-5, rtol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_mask", [True, False])
-def test_cuda_attention_with_lse_equals_the_reference(dtype, with_mask):
+def test_cuda_attention_with_lse_equals_the_reference(cuda_path, dtype, with_mask):
     query, key, value, mask = random_attention_inputs(torch.Generator().manual_seed(2))
     expected, expected_lse = reference_attention(
         query, key, value, mask if with_mask else None, 0.125
     )
-    cuda = [t.to("cuda", dtype) for t in (query, key, value)]
-    output, lse = attention_with_lse(*cuda, mask.to("cuda", dtype) if with_mask else None, 0.125)
+    cuda = [t.to(cuda_path, dtype) for t in (query, key, value)]
+    output, lse = attention_with_lse(*cuda, mask.to(cuda_path, dtype) if with_mask else None, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(output.float().cpu(), expected, atol=tolerance, rtol=0)
     torch.testing.assert_close(lse.cpu(), expected_lse, atol=tolerance, rtol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_runner_long_prompt_particles_match_uncached_forward(dtype):
+def test_cuda_runner_long_prompt_particles_match_uncached_forward(cuda_path, dtype):
     from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf_runner import HFRunner
     from tests.conftest import build_tiny_llama
 
-    model = build_tiny_llama(2000).to("cuda", dtype)
+    model = build_tiny_llama(2000).to(cuda_path, dtype)
     model.config._attn_implementation = "sdpa"
     runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
     rng = random.Random(14)
@@ -342,17 +361,15 @@ def test_cuda_runner_long_prompt_particles_match_uncached_forward(dtype):
     assert runner.kv_tree.stats.bytes_shared > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("build", ["build_tiny_llama", "build_tiny_gpt2"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cuda_runner_random_workloads_with_every_piece_a_level_match(build, seed):
+def test_cuda_runner_random_workloads_with_every_piece_a_level_match(cuda_path, build, seed):
     """Extensions, siblings, prefixes and fresh contexts on CUDA, every cached piece read as a level."""
     from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf_runner import HFRunner
     from tests import conftest
 
-    model = getattr(conftest, build)(2000).to("cuda")
+    model = getattr(conftest, build)(2000).to(cuda_path)
     model.config._attn_implementation = "sdpa"
     runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
     runner.level_policy = EVERY_PIECE_A_LEVEL

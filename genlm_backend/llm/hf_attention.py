@@ -80,7 +80,7 @@ def kernel_mask(mask: torch.Tensor, num_groups: int, num_kv_heads: int) -> torch
     per grouped head, ``[B, Hkv, g * L, S]``, rows 16-element aligned (a view
     of padded storage). Elsewhere the mask itself.
     """
-    if mask.device.type != "cuda":
+    if _device_kernels(mask.device) != "cuda":
         return mask
     num_rows, _, num_queries, num_keys = mask.shape
     padded = mask.new_empty(
@@ -130,12 +130,13 @@ def grouped_attention_with_lse(
     """
     num_rows, num_q_heads, num_queries, head_dim = query.shape
     heads = (key.shape[1], num_q_heads // key.shape[1])
-    if query.device.type == "cpu":
+    kernels = _device_kernels(query.device)
+    if kernels == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=mask, scale=scale
         )
         return output.unflatten(1, heads), _float32(lse).unflatten(1, heads)
-    if query.device.type == "cuda":
+    if kernels == "cuda":
         # Grouped heads as more queries of their key/value head: [B, Hkv, g * L, D].
         grouped = query.reshape(num_rows, heads[0], heads[1] * num_queries, head_dim)
         output, lse = _cuda_attention_with_lse(grouped, key, value, mask, scale)
@@ -153,15 +154,21 @@ def prefix_attention_with_lse(
     keys are read once by every row and grouped head. Nothing but the kernel
     runs on CPU and (in half precision) on CUDA.
     """
-    if query.device.type == "cpu":
+    kernels = _device_kernels(query.device)
+    if kernels == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, scale=scale
         )
         return output, _float32(lse)
-    if query.device.type == "cuda":
+    if kernels == "cuda":
         return _cuda_attention_with_lse(query, key, value, None, scale)
     output, lse = _math_attention_with_lse(query, key, value, None, scale)
     return output.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _device_kernels(device: torch.device) -> str:
+    """The attention kernels used on ``device``: ``"cpu"`` or ``"cuda"``'s fused ones, else ``"math"`` (plain products)."""
+    return device.type if device.type in ("cpu", "cuda") else "math"
 
 
 def _float32(lse: torch.Tensor) -> torch.Tensor:
