@@ -1,10 +1,11 @@
 """Every use of transformers' internals by the HF runner, in one place, checked at construction.
 
-The runner relies on transformers details beyond its documented API:
-``StaticCache`` layer attributes (adopting tensors the runner allocated) and
-its construction from layers,
-the attention-function registry, ``config._attn_implementation``, and the
-config attribute names that give a decoder's shape and length. They are
+The runner relies on transformers details beyond its documented API: a
+``StaticLayer`` subclass that holds tensors the runner allocated (the
+attributes ``StaticLayer`` sets, and ``update``'s signature), a
+``StaticCache`` built from such layers, the attention-function registry,
+``config._attn_implementation``, and the config attribute names that give a
+decoder's shape and length. They are
 known to work with the versions in :data:`SUPPORTED_TRANSFORMERS`;
 :func:`check_transformers_version` raises a clear error elsewhere.
 """
