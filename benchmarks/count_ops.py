@@ -19,6 +19,7 @@ dispatches, on a machine without one.
 Usage::
 
     python benchmarks/count_ops.py --random-weights CONFIG_DIR --dtype bfloat16 --cuda-path
+    python benchmarks/count_ops.py --random-weights CONFIG_DIR --dtype bfloat16 --cuda-path --resample
     python benchmarks/count_ops.py --device cuda --dtype bfloat16 --random-weights CONFIG_DIR
 """
 
@@ -53,11 +54,15 @@ class Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ours(llm, prompt, own, thread_modes=contextlib.nullcontext) -> collections.Counter:
+def count_ours(
+    llm, prompt, own, thread_modes=contextlib.nullcontext, resample=False
+) -> collections.Counter:
     """Operations of the third step (two warm-up steps first) on the event loop and the worker thread.
 
     ``thread_modes()`` is entered on each thread below the counting mode
-    (dispatch modes are per thread).
+    (dispatch modes are per thread). ``resample``: before each step, particle
+    ``i`` continues particle ``7 i mod P`` (then its own token), so each row
+    copies another's past into a new block instead of writing in place.
     """
     counting = Counting()
     run = llm.runner.run
@@ -68,11 +73,14 @@ def count_ours(llm, prompt, own, thread_modes=contextlib.nullcontext) -> collect
 
     async def steps():
         await llm.next_token_logprobs(prompt)
+        contexts = [prompt + tokens[:1] for tokens in own]
         for step in range(3):
             counting.counting = step == 2
-            await asyncio.gather(
-                *(llm.next_token_logprobs(prompt + tokens[: step + 1]) for tokens in own)
-            )
+            await asyncio.gather(*map(llm.next_token_logprobs, contexts))
+            parents = [contexts[7 * i % len(own) if resample else i] for i in range(len(own))]
+            contexts = [
+                parent + tokens[step + 1 : step + 2] for parent, tokens in zip(parents, own)
+            ]
         counting.counting = False
 
     llm.runner.run = counted_run
@@ -125,6 +133,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model", help="model folder (default: the default model)")
     parser.add_argument("--random-weights", type=Path, help="config folder: random weights")
     parser.add_argument("--cuda-path", action="store_true", help="on CPU: CUDA kernels emulated")
+    parser.add_argument(
+        "--resample", action="store_true", help="every particle continues another before each step"
+    )
     args = parser.parse_args(argv)
 
     from genlm_backend.llm.hf import AsyncTransformer
@@ -139,13 +150,14 @@ def main(argv=None) -> None:
 
         thread_modes = EmulatedCudaKernels  # below the counting mode: its own work is not counted
     with cuda_branches() if args.cuda_path else contextlib.nullcontext():
-        ours = count_ours(llm, prompt, own, thread_modes)
+        ours = count_ours(llm, prompt, own, thread_modes, args.resample)
         with thread_modes():
             floor = count_floor(model, prompt, own, args.device)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     print(
         f"{args.particles} particles behind {args.prompt_tokens} tokens, {layers} layers, "
         f"{args.dtype} on {args.device}{' (CUDA path, kernels emulated)' if args.cuda_path else ''}"
+        f"{', resampled before each step' if args.resample else ''}"
     )
     total_ours, total_floor = sum(ours.values()), sum(floor.values())
     print(

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(vocab_size)])
     totals: collections.Counter = collections.Counter()
     runner = llm.runner
-    for name in ("run", "_plan", "_forward", "request_tokens", "_cache_over", "_cache_with_pasts"):
+    for name in ("run", "_plan", "_forward", "request_tokens", "_cache_over", "_block_with_pasts"):
         wrap(runner, name, totals)
     wrap(runner.kv_tree, "commit", totals)
     wrap(runner.model, "forward", totals, "model forward")

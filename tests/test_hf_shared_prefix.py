@@ -303,7 +303,7 @@ def test_cascade_attention_equals_attention_over_the_concatenation():
     block_keys = torch.randn(2, 2, 40, 64, generator=generator)
     block_values = torch.randn(2, 2, 40, 64, generator=generator)
 
-    block = KVBlock([(block_keys, block_values)])
+    block = KVBlock(torch.stack([block_keys, block_values])[None])  # one layer
     levels = [Level(block, 0, 0, 30, None), Level(block, 1, 5, 12, torch.tensor([0, 2]))]
     output = cascade_attention(0, query, own_keys, own_values, mask, 0.125, Cascade(levels))
     for row in range(3):

@@ -17,13 +17,12 @@ NUM_LAYERS = 2
 
 def make_block(contexts: list[list[int]], starts: list[int], num_slots: int) -> KVBlock:
     """A block whose keys[row, 0, slot, 0] is the token at that slot (-1 where unused)."""
-    layers = []
-    for _ in range(NUM_LAYERS):
-        keys = torch.full((len(contexts), 1, num_slots, 1), -1.0)
-        for row, (context, start) in enumerate(zip(contexts, starts)):
-            keys[row, 0, start : start + len(context), 0] = torch.tensor(context, dtype=torch.float)
-        layers.append((keys, keys.clone()))
-    return KVBlock(layers)
+    stacked = torch.full((NUM_LAYERS, 2, len(contexts), 1, num_slots, 1), -1.0)
+    for row, (context, start) in enumerate(zip(contexts, starts)):
+        stacked[..., row, 0, start : start + len(context), 0] = torch.tensor(
+            context, dtype=torch.float
+        )
+    return KVBlock(stacked)
 
 
 def cache_contexts(tree: KVPrefixTree, contexts: list[list[int]], namespace=None) -> KVBlock:

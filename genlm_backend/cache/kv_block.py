@@ -1,7 +1,7 @@
-"""Where cached keys/values live: per-layer blocks, and entries that chain spans of them.
+"""Where cached keys/values live: blocks of every layer's, and entries that chain spans of them.
 
-A :class:`KVBlock` holds the per-layer tensors ``[B, H, T, D]`` one model
-batch wrote. A :class:`KVEntry` is one cached context: its last ``length``
+A :class:`KVBlock` holds the keys and values ``[B, H, T, D]`` of every
+layer one model batch wrote. A :class:`KVEntry` is one cached context: its last ``length``
 tokens sit in one row of a block, and its first ``offset`` tokens are those
 of its ``parent`` entry. A long prompt is thus held once, in its own entry,
 and every particle behind it holds only its own tokens, with the prompt's
@@ -22,21 +22,32 @@ if TYPE_CHECKING:
 
 
 class KVBlock:
-    """Per-layer key/value tensors of one batch, shared by the entries of its rows.
+    """Every layer's keys and values of one batch, in one tensor, shared by the entries of its rows.
+
+    One tensor per block, not two per layer: copying rows between blocks,
+    or zeroing slots, is one operation for all layers.
 
     Args:
-        layers: ``[(keys, values), ...]`` per layer, each ``[B, H, T, D]``.
+        stacked: ``[L, 2, B, H, T, D]``: layer ``l``'s keys are ``stacked[l, 0]``
+            and its values ``stacked[l, 1]``.
     """
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.layers = layers
-        self.nbytes = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers
-        )
+    def __init__(self, stacked: torch.Tensor):
+        self.stacked = stacked
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``[(keys, values), ...]`` per layer, each ``[B, H, T, D]``: views of ``stacked``."""
+        for layer in stacked.unbind(0):
+            keys, values = layer.unbind(0)
+            self.layers.append((keys, values))
+        self.nbytes = stacked.numel() * stacked.element_size()
         self.num_live_entries = 0
-        num_rows = layers[0][0].shape[0] if layers else 0
-        self.row_ends: list[int] = [0] * num_rows
+        self.row_ends: list[int] = [0] * stacked.shape[2]
         """Per row, the end of its written slots: slots past it are free to write."""
+
+    @classmethod
+    def empty(cls, num_layers: int, shape, dtype: torch.dtype, device) -> KVBlock:
+        """A block of ``num_layers`` layers whose keys and values are ``shape`` (``[B, H, T, D]``), not initialized."""
+        return cls(torch.empty(num_layers, 2, *shape, dtype=dtype, device=device))
 
     @property
     def num_rows(self) -> int:
@@ -44,7 +55,7 @@ class KVBlock:
 
     @property
     def num_slots(self) -> int:
-        return self.layers[0][0].shape[2]
+        return self.stacked.shape[4]
 
     @property
     def bytes_per_slot(self) -> int:

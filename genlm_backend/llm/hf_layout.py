@@ -158,14 +158,13 @@ def group_levels(rows: list[Row], device: torch.device) -> list[Level]:
     ]
 
 
-def copy_own_parts(
-    rows: list[Row], num_past: int, layers: list[tuple[torch.Tensor, torch.Tensor]]
-) -> None:
-    """Copy each row's own pieces into ``layers`` (``[B, H, T, D]`` each), right-aligned at slot ``num_past``.
+def copy_own_parts(rows: list[Row], num_past: int, block: KVBlock) -> None:
+    """Copy each row's own pieces into ``block``'s rows, right-aligned at slot ``num_past``.
 
     Rows whose pieces sit at the same slots of the same block, bound for the
-    same slots, go in one indexed copy per layer: in an SMC step every
-    particle copies a row of the previous batch, so that is usually one copy.
+    same slots, go in one indexed copy of every layer at once: in an SMC step
+    every particle copies a row of the previous batch, so that is usually one
+    copy.
     """
     groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
     for i, row in enumerate(rows):
@@ -176,20 +175,16 @@ def copy_own_parts(
             group[4].append(entry.row)
             group[5].append(i)
             target += n
-    device = layers[0][0].device
-    for block, start, n, target, sources, targets in groups.values():
-        source_rows, target_rows = _as_index(sources, device), _as_index(targets, device)
-        for layer_index, (keys, values) in enumerate(layers):
-            block_keys, block_values = block.layers[layer_index]
-            for into, source in ((keys, block_keys), (values, block_values)):
-                _copy_rows(
-                    into,
-                    target_rows,
-                    slice(target, target + n),
-                    source,
-                    source_rows,
-                    slice(start, start + n),
-                )
+    device = block.stacked.device
+    for source, start, n, target, sources, targets in groups.values():
+        _copy_rows(
+            block.stacked,
+            _as_index(targets, device),
+            slice(target, target + n),
+            source.stacked,
+            _as_index(sources, device),
+            slice(start, start + n),
+        )
 
 
 def inputs(
@@ -237,11 +232,14 @@ def _as_index(rows: list[int], device) -> slice | torch.Tensor:
 def _copy_rows(
     target, target_rows, target_slots: slice, source, source_rows, source_slots: slice
 ) -> None:
-    """``target[target_rows, :, target_slots] = source[source_rows, :, source_slots]`` without temporaries where possible."""
-    if isinstance(target_rows, slice) and isinstance(source_rows, slice):
-        target[target_rows, :, target_slots].copy_(source[source_rows, :, source_slots])
+    """Rows and slots of ``[..., B, H, T, D]`` tensors: ``target[..., target_rows, :, target_slots, :] =
+    source[..., source_rows, :, source_slots, :]``, without temporaries where possible."""
+    into = (..., target_rows, slice(None), target_slots, slice(None))
+    taken = source[..., source_rows, :, source_slots, :]
+    if isinstance(target_rows, slice):
+        target[into].copy_(taken)
     else:
-        target[target_rows, :, target_slots] = source[source_rows, :, source_slots]
+        target[into] = taken
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -209,9 +209,8 @@ class HFRunner:
         else:
             layout.plan_copies(rows, self.level_policy)
             num_past = max(row.num_own_past for row in rows)
-            cache = self._cache_with_pasts(rows, num_past, num_new)
-            # Dynamic layers: keys and values exist once the cache was filled.
-            block = KVBlock([(layer.keys, layer.values) for layer in cache.layers])  # type: ignore[union-attr,misc]
+            block = self._block_with_pasts(rows, num_past, num_new)
+            cache = self._cache_over(block, num_past)
         input_ids, position_ids = layout.inputs(rows, num_new, self._max_positions, self.device)
         mask = layout.own_part_mask(
             rows, num_past, num_new, block.num_slots, self.model.dtype, self.device
@@ -249,14 +248,13 @@ class HFRunner:
         self.num_tokens_computed += sum(row.num_new for row in rows)
         return fit_to_vocab(logits, self.vocab_size), block, num_past
 
-    def _cache_with_pasts(self, rows: list[Row], num_past: int, num_new: int):
-        """A StaticCache of ``num_past + num_new`` slots with each row's own past right-aligned at ``num_past``."""
-        config = self.model.config
+    def _block_with_pasts(self, rows: list[Row], num_past: int, num_new: int) -> KVBlock:
+        """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
         num_layers = self._static_cache.num_layers
-        num_kv_heads, head_dim = kv_shape(config)
+        num_kv_heads, head_dim = kv_shape(self.model.config)
         shape = (len(rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
             cache_nbytes(
@@ -264,24 +262,18 @@ class HFRunner:
             ),
             pinned=[entry for row in rows for entry, _ in row.levels + row.own],
         )
-        layers = [
-            (
-                torch.empty(shape, dtype=self.model.dtype, device=self.device),
-                torch.empty(shape, dtype=self.model.dtype, device=self.device),
-            )
-            for _ in range(num_layers)
-        ]
-        layout.copy_own_parts(rows, num_past, layers)
-        for keys, values in layers:
-            # Every slot is written above or by the forward pass itself; only the
-            # left padding is zeroed (masked, but it must not hold NaN bit patterns).
-            for i, row in enumerate(rows):
-                if row.num_own_past < num_past:
-                    keys[i, :, : num_past - row.num_own_past] = 0
-                    values[i, :, : num_past - row.num_own_past] = 0
-            keys[:, :, num_past + num_new :] = 0  # spare slots: masked, but read by attention
-            values[:, :, num_past + num_new :] = 0
-        return self._static_cache(layers, num_past)
+        block = KVBlock.empty(num_layers, shape, self.model.dtype, self.device)
+        layout.copy_own_parts(rows, num_past, block)
+        # Every slot is written above or by the forward pass itself; only the left
+        # padding is zeroed (masked, but it must not hold NaN bit patterns), and the
+        # spare slots (masked, but read by attention). One operation each for all layers.
+        slots = block.stacked  # [L, 2, B, H, T, D]
+        for i, row in enumerate(rows):
+            if row.num_own_past < num_past:
+                slots[:, :, i, :, : num_past - row.num_own_past].zero_()
+        if num_past + num_new < num_slots:
+            slots[..., num_past + num_new :, :].zero_()
+        return block
 
     def _cache_over(self, block: KVBlock, num_past: int):
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
