@@ -9,10 +9,10 @@ Cached prefixes shared by rows (a long prompt in front of every particle)
 stay where they are, held once, and the attention reads each once for all
 its rows (:mod:`~genlm_backend.llm.hf_layout` says which part of a row is
 read where, :mod:`~genlm_backend.llm.hf_attention` computes it). The rest of
-each row's past is copied into a transformers ``StaticCache``, or the step
-writes in place into the block it extends; the model writes the new
-keys/values into the cache, whose tensors become the block the new entries
-point into. A 4-D mask lets each row see exactly its own part; position ids
+each row's past is copied into a new block, or the step writes in place
+into the block it extends; a transformers ``StaticCache`` over the block's
+tensors lets the model write the new keys/values there, and the new
+entries point into it. A 4-D mask lets each row see exactly its own part; position ids
 continue each row's own positions. Several contexts sharing a prefix that
 is not cached yet get that prefix computed once first.
 """
@@ -205,12 +205,11 @@ class HFRunner:
             first = rows[0].entry
             assert first is not None  # an extendable block is some row's entry's
             num_past = first.start + first.length  # the slot every new token goes to
-            cache = self._cache_over(block, num_past)
         else:
             layout.plan_copies(rows, self.level_policy)
             num_past = max(row.num_own_past for row in rows)
             block = self._block_with_pasts(rows, num_past, num_new)
-            cache = self._cache_over(block, num_past)
+        cache = self._cache_over(block, num_past)
         input_ids, position_ids = layout.inputs(rows, num_new, self._max_positions, self.device)
         mask = layout.own_part_mask(
             rows, num_past, num_new, block.num_slots, self.model.dtype, self.device
