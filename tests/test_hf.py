@@ -187,6 +187,32 @@ def test_a_model_with_linear_attention_layers_is_rejected_by_name():
         AsyncTransformer(model, None, byte_vocab=[bytes([i]) for i in range(64)])
 
 
+def test_a_model_whose_keys_and_values_differ_in_width_is_rejected_by_name():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,  # keys 24 wide, values 16
+        v_head_dim=16,
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="v_head_dim"):
+        AsyncTransformer(model, None, byte_vocab=[bytes([i]) for i in range(64)])
+
+
 def test_output_is_trimmed_to_the_tokenizer_vocabulary(gpt2_tokenizer):
     from tests.conftest import build_tiny_gpt2
 

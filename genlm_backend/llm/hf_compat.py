@@ -230,7 +230,8 @@ class StaticCaches:
 
     Raises:
         NotImplementedError: a layer keeps something other than softmax
-            attention's keys and values (linear-attention or indexer state).
+            attention's keys and values (linear-attention or indexer state),
+            or keys and values differ in head dimension.
     """
 
     def __init__(self, config):
@@ -249,6 +250,12 @@ class StaticCaches:
             )
         self.num_layers = len(template.layers)
         self._layer = _runner_layer_class()
+        widths = _key_value_widths(config)
+        if len(set(widths.values())) > 1:
+            raise NotImplementedError(
+                "AsyncTransformer serves models whose keys and values have one head dimension; "
+                f"this model's config gives {widths} (multi-head latent attention?)"
+            )
 
     def __call__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_filled: int):
         """A ``StaticCache`` whose layers hold ``layers``' keys and values (``[B, H, T, D]`` each), ``num_filled`` slots written.
@@ -303,6 +310,20 @@ def _runner_layer_class():
             return self._next_slot
 
     return RunnerLayer
+
+
+def _key_value_widths(config) -> dict[str, int]:
+    """The head dimensions a decoder's config names for keys and values, by attribute."""
+    text = config.get_text_config(decoder=True)
+    widths = {"head_dim": kv_shape(config)[1]}
+    if getattr(text, "qk_nope_head_dim", None) is not None:  # DeepSeek's latent attention
+        widths["qk_nope_head_dim + qk_rope_head_dim"] = text.qk_nope_head_dim + getattr(
+            text, "qk_rope_head_dim", 0
+        )
+    for name in ("qk_head_dim", "v_head_dim"):
+        if getattr(text, name, None) is not None:
+            widths[name] = getattr(text, name)
+    return widths
 
 
 def kv_shape(config) -> tuple[int, int]:
