@@ -1,12 +1,12 @@
 """Where cached keys/values live: blocks of every layer's, and entries that chain spans of them.
 
-A :class:`KVBlock` holds the keys and values ``[B, H, T, D]`` of every
-layer one model batch wrote. A :class:`KVEntry` is one cached context: its
-last ``length`` tokens sit in one row of a block, and its first ``offset`` tokens are those
-of its ``parent`` entry. A long prompt is thus held once, in its own entry,
-and every particle behind it holds only its own tokens, with the prompt's
-entry as parent. Attention keys/values of a prefix do not depend on what
-follows it, so an entry serves every prefix of its context too
+A :class:`KVBlock` holds the keys and values ``[B, H, T, D]`` of every layer
+one model batch wrote. A :class:`KVEntry` is one cached context: its last
+``length`` tokens sit in one row of a block, and its first ``offset`` tokens
+are those of its ``parent`` entry. A long prompt is thus held once, in its
+own entry, and every particle behind it holds only its own tokens, with the
+prompt's entry as parent. Attention keys/values of a prefix do not depend on
+what follows it, so an entry serves every prefix of its context too
 (:meth:`KVEntry.pieces`).
 """
 
