@@ -2,7 +2,7 @@
 
 The HF runner always passes a 4-D mask. With a mask, transformers' ``sdpa``
 function repeats each key/value head for every query head it serves; the
-runner's function (``genlm_backend.llm.hf_compat.grouped_kv_attention``)
+runner's function (``genlm_backend.llm.hf.compat.grouped_kv_attention``)
 keeps them grouped. Same model, same cache contents, same mask, same process;
 the two are interleaved and the median of ``--repeats`` timings is reported,
 with the largest difference between their logits.
@@ -20,8 +20,8 @@ from contextlib import nullcontext
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from genlm_backend.llm.hf_compat import StaticCaches
-from genlm_backend.llm.hf_compat import (
+from genlm_backend.llm.hf.compat import StaticCaches
+from genlm_backend.llm.hf.compat import (
     grouped_kv_attention as _grouped_kv_attention,
 )
 from genlm_backend.models import default_model_dir

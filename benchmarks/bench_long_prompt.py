@@ -265,8 +265,8 @@ def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> fl
     """
     import torch
 
-    from genlm_backend.llm.hf_attention import prefix_attention_with_lse
-    from genlm_backend.llm.hf_compat import kv_shape
+    from genlm_backend.llm.hf.attention import prefix_attention_with_lse
+    from genlm_backend.llm.hf.compat import kv_shape
 
     config = model.config.get_text_config(decoder=True)
     num_kv_heads, head_dim = kv_shape(config)

@@ -96,8 +96,8 @@ def count_floor(model, prompt: list[int], own: list[list[int]], device) -> colle
     """Operations of one N-copies step behind 64 tokens, plus the prompt's attention once per layer."""
     from transformers import DynamicCache
 
-    from genlm_backend.llm.hf_attention import prefix_attention_with_lse
-    from genlm_backend.llm.hf_compat import kv_shape
+    from genlm_backend.llm.hf.attention import prefix_attention_with_lse
+    from genlm_backend.llm.hf.compat import kv_shape
 
     config = model.config.get_text_config(decoder=True)
     num_kv_heads, head_dim = kv_shape(config)

@@ -66,8 +66,9 @@ def main(argv=None) -> None:
 
     import torch
 
-    from genlm_backend.llm import base, hf_runner
+    from genlm_backend.llm import base
     from genlm_backend.llm.hf import AsyncTransformer
+    from genlm_backend.llm.hf import runner as hf_runner
 
     torch.set_num_threads(args.threads)
     particles, steps, prompt_tokens = parse_workload(args.workload)

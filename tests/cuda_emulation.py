@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from genlm_backend.llm import hf_attention
+from genlm_backend.llm.hf import attention as hf_attention
 
 _aten = torch.ops.aten
 

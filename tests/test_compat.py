@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from genlm_backend.llm.hf_compat import check_transformers_version
-from genlm_backend.llm.vllm_compat import check_vllm_version
+from genlm_backend.llm.hf.compat import check_transformers_version
+from genlm_backend.llm.vllm.compat import check_vllm_version
 
 
 def test_unsupported_transformers_is_a_clear_import_error():

@@ -352,12 +352,12 @@ async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(
     tiny_llama, monkeypatch
 ):
     """On CPU the runner's masked attention calls SDPA with grouped key/value heads, not repeated ones."""
-    from genlm_backend.llm import hf_compat as hf_runner
+    from genlm_backend.llm.hf import compat as hf_compat
 
     model, tokenizer = tiny_llama
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     calls = {"grouped": 0}
-    grouped = hf_runner._sdpa_grouped_kv
+    grouped = hf_compat._sdpa_grouped_kv
 
     def counting(module, query, key, value, attention_mask, **kwargs):
         if attention_mask is not None:
@@ -367,8 +367,8 @@ async def test_masked_grouped_query_attention_keeps_heads_grouped_and_exact(
 
     from transformers import AttentionInterface
 
-    hf_runner._register_grouped_sdpa()
-    monkeypatch.setitem(AttentionInterface._global_mapping, hf_runner._GROUPED_SDPA, counting)
+    hf_compat._register_grouped_sdpa()
+    monkeypatch.setitem(AttentionInterface._global_mapping, hf_compat._GROUPED_SDPA, counting)
     llm = AsyncTransformer(model, tokenizer)
     contexts = [[5, 6, 7], [5, 6, 8, 9, 10], [11]]
     results = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
@@ -383,7 +383,7 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_repeated_heads():
     """The same attention as transformers' ``sdpa`` function under a ragged additive mask, prefill and decode."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from genlm_backend.llm.hf_compat import _sdpa_grouped_kv
+    from genlm_backend.llm.hf.compat import _sdpa_grouped_kv
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True

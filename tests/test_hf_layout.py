@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from genlm_backend.llm import hf_layout as layout
-from genlm_backend.llm.hf_layout import shared_uncached_prefixes
+from genlm_backend.llm.hf import plan as layout
+from genlm_backend.llm.hf.plan import shared_uncached_prefixes
 
 # Few token values and short contexts: branches, exact prefixes and duplicates of prefixes are common.
 CONTEXTS = st.lists(

@@ -12,17 +12,17 @@ import random
 import pytest
 import torch
 
-from genlm_backend.cache.kv_block import KVBlock
 from genlm_backend.llm.hf import AsyncTransformer
-from genlm_backend.llm.hf_attention import (
+from genlm_backend.llm.hf.attention import (
     Cascade,
     Level,
     attention_with_lse,
     cascade_attention,
     prefix_attention_with_lse,
 )
-from genlm_backend.llm.hf_attention import _math_attention_with_lse as math_attention_with_lse
-from genlm_backend.llm.hf_layout import LevelPolicy
+from genlm_backend.llm.hf.attention import _math_attention_with_lse as math_attention_with_lse
+from genlm_backend.llm.hf.kv_block import KVBlock
+from genlm_backend.llm.hf.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 from tests.test_hf import assert_matches_reference, random_workload
@@ -338,8 +338,8 @@ def test_cuda_attention_with_lse_equals_the_reference(cuda_path, dtype, with_mas
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_runner_long_prompt_particles_match_uncached_forward(cuda_path, dtype):
-    from genlm_backend.cache.kv_tree import KVPrefixTree
-    from genlm_backend.llm.hf_runner import HFRunner
+    from genlm_backend.llm.hf.kv_tree import KVPrefixTree
+    from genlm_backend.llm.hf.runner import HFRunner
     from tests.conftest import build_tiny_llama
 
     model = build_tiny_llama(2000).to(cuda_path, dtype)
@@ -365,8 +365,8 @@ def test_cuda_runner_long_prompt_particles_match_uncached_forward(cuda_path, dty
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_runner_random_workloads_with_every_piece_a_level_match(cuda_path, build, seed):
     """Extensions, siblings, prefixes and fresh contexts on CUDA, every cached piece read as a level."""
-    from genlm_backend.cache.kv_tree import KVPrefixTree
-    from genlm_backend.llm.hf_runner import HFRunner
+    from genlm_backend.llm.hf.kv_tree import KVPrefixTree
+    from genlm_backend.llm.hf.runner import HFRunner
     from tests import conftest
 
     model = getattr(conftest, build)(2000).to(cuda_path)

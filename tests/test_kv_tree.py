@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree
-from genlm_backend.cache.token_trie import NUM_RECENT_CONTEXTS
+from genlm_backend.llm.hf.kv_tree import KVBlock, KVEntry, KVPrefixTree
+from genlm_backend.llm.hf.token_trie import NUM_RECENT_CONTEXTS
 
 NUM_LAYERS = 2
 

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import threading
-from typing import TYPE_CHECKING
 
-from genlm_backend.llm.runner import Adapter, Request
-
-if TYPE_CHECKING:
-    from genlm_backend.cache.output import OutputCache
-    from genlm_backend.llm.runner import Runner
+from genlm_backend.llm.runner import Adapter
 
 
 class AdapterRegistry:
@@ -83,69 +77,3 @@ class AdapterRegistry:
     def is_current(self, adapter: Adapter | None) -> bool:
         """Whether results computed under ``adapter`` may be cached (it was not replaced or removed since)."""
         return adapter is None or self._adapters.get(adapter.name) == adapter
-
-
-class AdapterMethods:
-    """The LoRA methods of :class:`~genlm_backend.llm.base.AsyncLM` (``adapters``, ``runner``,
-    ``output_cache`` and the compute lock are the AsyncLM's)."""
-
-    if TYPE_CHECKING:  # provided by AsyncLM
-        adapters: AdapterRegistry
-        runner: Runner
-        output_cache: OutputCache
-        _compute_lock: threading.Lock
-
-        def _check_open(self) -> None: ...
-
-    def add_new_lora(self, lora_path, lora_name: str = "lora_1") -> None:
-        """Load a LoRA adapter from ``lora_path`` as ``lora_name``; select it per call with ``lora_name=``.
-
-        Registering an existing name replaces its weights and drops exactly
-        the results and keys/values cached under the old ones.
-
-        Raises:
-            ValueError: this backend cannot serve adapters (the message says why).
-            ImportError: peft is missing (transformers backend).
-        """
-        adapter = self.adapters.new_version(lora_path, lora_name)
-        with self._compute_lock:
-            self._check_open()
-            old = self.adapters.get(lora_name) if lora_name in self.adapters else None
-            if old is not None:
-                self._drop_adapter(old)
-            self.runner.load_adapter(adapter)
-            self.adapters.record(adapter)
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unload ``lora_name`` and drop exactly its cached results and keys/values.
-
-        Raises:
-            ValueError: unknown ``lora_name``.
-        """
-        with self._compute_lock:
-            adapter = self.adapters.forget(lora_name)
-            self._drop_adapter(adapter)
-
-    def _drop_adapter(self, adapter) -> None:
-        self.output_cache.discard_if(
-            lambda request: isinstance(request, Request) and request.adapter == adapter
-        )
-        self.runner.unload_adapter(adapter)
-
-    def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:
-        """Make ``lora_name`` the default adapter: the one calls with ``lora_name=None`` run under.
-
-        Loads it from ``lora_path`` first when given. Calls that pass
-        ``lora_name=`` are not affected; requests already made keep the
-        adapter they were made under.
-
-        Raises:
-            ValueError: ``lora_name`` is unknown and no ``lora_path`` is given.
-        """
-        if lora_path is not None:
-            self.add_new_lora(lora_path, lora_name)
-        self.adapters.default = self.adapters.get(lora_name)
-
-    def clear_lora(self) -> None:
-        """Make the base model the default again (adapters stay loaded)."""
-        self.adapters.default = None

@@ -1,43 +1,42 @@
-"""The one :class:`AsyncLM`: contract, validation, output cache, batcher, stats.
+"""The one :class:`AsyncLM`: the contract every backend serves, and its batcher.
 
-Its blocking calls live in :mod:`~genlm_backend.llm.sync`, sampling in
-:mod:`~genlm_backend.llm.sampling`, adapters and the lifecycle in their own
-modules, each a mixin of :class:`AsyncLM`.
+The data path of one request::
 
-Model work is delegated to a :class:`~genlm_backend.llm.runner.Runner`
-(HF, vLLM or mock). The data path of one request::
-
-    next_token_logprobs(ids, lora_name) -> validate -> Request(adapter, context)
-        -> output cache -> AutoBatcher -> worker thread: _process_batch
+    next_token_logprobs(ids, lora_name) -> LMCore.requests (validate, resolve the adapter)
+        -> LMCore.cached (output cache) -> AutoBatcher -> worker thread: LMCore.compute
         -> runner.run(requests) -> output cache -> clone
 
 The adapter is resolved once, at the call, and travels in the request: it is
-part of the batcher's, the output cache's and the KV tree's key.
+part of the batcher's, the output cache's and the KV tree's key. The
+``*_sync`` calls take the same path minus the batcher, in the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from genlm_backend.batching import (
     DEFAULT_MAX_BATCH_TOKENS,
-    AutoBatcher,
     BatcherStats,
     BatchingConfig,
     LoopBatchers,
 )
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
-from genlm_backend.llm.adapters import AdapterMethods, AdapterRegistry
-from genlm_backend.llm.lifecycle import LifecycleMethods
+from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.core import LMCore
 from genlm_backend.llm.runner import Request, Runner
-from genlm_backend.llm.sampling import SamplingMethods, sample_token
+from genlm_backend.llm.sampling import (
+    check_sampling_options,
+    make_generator,
+    sample_continuation,
+    sample_token,
+    stream_seeds,
+)
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.llm.sync import SyncMethods
 from genlm_backend.llm.validation import (
     TokenIds,
     as_list_of_contexts,
@@ -50,7 +49,7 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
 
 
-class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
+class AsyncLM:
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
 
     Output contract, for every runner and model:
@@ -75,7 +74,10 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
     An object may serve several ``asyncio.run`` calls in turn.
 
     ``AsyncTransformer``, ``AsyncVirtualLM`` and ``MockAsyncLM`` build one
-    with their runner; ``AsyncLM(tokenizer, runner)`` takes any other.
+    with their runner; ``AsyncLM(tokenizer, runner)`` takes any other. The
+    state every call shares (runner, output cache, adapters, compute lock,
+    counters) is one :class:`~genlm_backend.llm.core.LMCore`; this class is
+    the contract and the batcher in front of it.
 
     Args:
         tokenizer: The model's Hugging Face tokenizer (``None`` with ``byte_vocab`` given).
@@ -91,9 +93,6 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
         byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.
         str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
     """
-
-    runner: Runner
-    """What computes batches (set by the constructor, or by a subclass after it)."""
 
     def __init__(
         self,
@@ -121,24 +120,48 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
             str_vocab = [b.decode("utf-8", errors="replace") for b in byte_vocab]
         self.byte_vocab = list(byte_vocab)
         self.str_vocab = list(str_vocab)
+        self.device = torch.device(device)
+        self._core = LMCore(
+            len(self.byte_vocab),
+            max_context_length,
+            output_cache_bytes,
+            self.batching,
+            owner=type(self).__name__,
+        )
         if runner is not None:
             self.runner = runner
-        self.max_context_length = max_context_length
-        self.device = torch.device(device)
-        self.output_cache = OutputCache(output_cache_bytes)
-        self.adapters = AdapterRegistry()
-        self._compute_lock = threading.Lock()
         self._batchers: LoopBatchers[Request, torch.Tensor | ValueError] = LoopBatchers(
-            self._process_batch,
+            self._core.compute,
             self.batching,
-            request_tokens=self._request_tokens,
+            request_tokens=self._core.request_tokens,
             thread_name="genlm-model",
         )
-        self._is_closed = False
-        self._num_requests = self._num_tokens_requested = self._num_cache_hits = 0
-        self._num_batches = self._num_contexts_computed = 0
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def runner(self) -> Runner:
+        """What computes batches (a backend sets it once built)."""
+        return self._core.runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        self._core.runner = runner
+
+    @property
+    def output_cache(self) -> OutputCache:
+        """Result rows by request (LRU within ``output_cache_bytes``)."""
+        return self._core.output_cache
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        """The registered LoRA adapters and the default one."""
+        return self._core.adapters
+
+    @property
+    def max_context_length(self) -> int | None:
+        """Longest accepted context (``None``: no limit)."""
+        return self._core.max_context_length
 
     @property
     def vocab_size(self) -> int:
@@ -162,87 +185,10 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
 
     @property
     def stats(self) -> LMStats:
-        runner_stats = self.runner.stats
-        return LMStats(
-            num_requests=self._num_requests,
-            num_batches=self._num_batches,
-            num_contexts_computed=self._num_contexts_computed,
-            num_output_cache_hits=self._num_cache_hits,
-            num_tokens_requested=self._num_tokens_requested,
-            num_tokens_computed=runner_stats.num_tokens_computed,
-            output_cache_bytes=self.output_cache.stats.bytes_held,
-            kv_cache_bytes=runner_stats.kv_cache_bytes,
-        )
+        """A snapshot of the counters (requests, batches, tokens requested and computed, bytes held)."""
+        return self._core.stats
 
-    # ------------------------------------------------------------------ requests
-
-    def _requests(
-        self,
-        token_ids_list: list[TokenIds],
-        lora_name: str | None,
-        argument: str | None = "token_ids_list",
-    ) -> list[Request]:
-        """Validate the adapter and every context, then count them: a rejected call counts nothing.
-
-        Errors name ``argument[i]``, the bad context's index in the call (or
-        just the context when ``argument`` is ``None``: single-context calls).
-        """
-        self._check_open()
-        adapter = self.adapters.resolve(lora_name)
-        contexts = validate_contexts(
-            token_ids_list, self.vocab_size, self.max_context_length, argument
-        )
-        self._num_requests += len(contexts)
-        self._num_tokens_requested += sum(map(len, contexts))
-        return [Request(adapter, context) for context in contexts]
-
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise BackendClosedError(f"this {type(self).__name__} is closed")
-
-    def _cached(self, request: Request) -> torch.Tensor | None:
-        row = self.output_cache.get(request)
-        if row is not None:
-            self._num_cache_hits += 1
-        return row
-
-    def _process_batch(self, requests: list[Request]) -> list[torch.Tensor | ValueError]:
-        """Compute distinct requests (of one adapter or several) and fill the output cache.
-
-        A request whose adapter was removed or re-registered since the call is
-        not computed: its slot holds the ``ValueError`` its caller gets.
-        """
-        with self._compute_lock:
-            self._check_open()
-            current = [request for request in requests if self.adapters.is_current(request.adapter)]
-            rows = dict(zip(current, self.runner.run(current).unbind(0))) if current else {}
-            self._num_batches += 1
-            self._num_contexts_computed += len(current)
-            for request, row in rows.items():
-                self.output_cache.put(request, row)
-        return [
-            rows[request] if request in rows else _replaced_adapter_error(request)
-            for request in requests
-        ]
-
-    async def _submit(self, request: Request) -> torch.Tensor:
-        cached = self._cached(request)
-        if cached is not None:
-            return cached
-        try:
-            row = await self._batchers.current().submit(request)
-        except Exception as exc:
-            # Whatever a closing backend made the batch fail with, the caller should learn why.
-            if self._is_closed and not isinstance(exc, BackendClosedError):
-                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
-            raise
-        if isinstance(row, ValueError):
-            raise row
-        return row
-
-    def _batcher(self) -> AutoBatcher:
-        """The running event loop's batcher."""
-        return self._batchers.current()
+    # ------------------------------------------------------------------ next-token rows
 
     async def next_token_logprobs(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -257,7 +203,7 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        (request,) = self._requests([token_ids], lora_name, argument=None)
+        (request,) = self._core.requests([token_ids], lora_name, argument=None)
         return (await self._submit(request)).clone()
 
     async def batch_next_token_logprobs(
@@ -267,18 +213,218 @@ class AsyncLM(SamplingMethods, SyncMethods, AdapterMethods, LifecycleMethods):
 
         Every context is validated before any is computed.
         """
-        requests = self._requests(as_list_of_contexts(token_ids_list), lora_name)
+        requests = self._core.requests(
+            as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
+        )
         return torch.stack(await asyncio.gather(*map(self._submit, requests)))
 
-    def _request_tokens(self, request: Request) -> int:
-        """A request's cost against the batch token budget: the runner's estimate, else its context length."""
-        estimate = getattr(self.runner, "request_tokens", None)
-        return estimate(request) if estimate is not None else len(request.context)
+    async def _submit(self, request: Request) -> torch.Tensor:
+        cached = self._core.cached(request)
+        if cached is not None:
+            return cached
+        try:
+            row = await self._batchers.current().submit(request)
+        except Exception as exc:
+            # Whatever a closing backend made the batch fail with, the caller should learn why.
+            if self._core.is_closed and not isinstance(exc, BackendClosedError):
+                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
+            raise
+        if isinstance(row, ValueError):
+            raise row
+        return row
 
+    def next_token_logprobs_sync(
+        self, token_ids: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking :meth:`next_token_logprobs`, computed in the calling thread (no batcher).
 
-def _replaced_adapter_error(request: Request) -> ValueError:
-    # adapter None is the base model, which is never replaced; named for completeness
-    name = request.adapter.name if request.adapter is not None else None
-    return ValueError(
-        f"LoRA adapter {name!r} was removed or re-registered while this request waited"
-    )
+        Works with or without a running event loop (a notebook cell, a callback).
+        """
+        (request,) = self._core.requests([token_ids], lora_name, argument=None)
+        return self._core.compute_now([request])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
+        requests = self._core.requests(
+            as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
+        )
+        return self._core.compute_now(requests)
+
+    def next_token_logprobs_uncached(
+        self, token_ids: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """One plain forward pass over the whole context: no batching, no cache read or written."""
+        self._core.check_open()
+        request = Request(
+            self.adapters.resolve(lora_name),
+            validate_token_ids(token_ids, self.vocab_size, self.max_context_length),
+        )
+        return self._core.run_uncached(request).to(self.device)
+
+    def cache_kv(self, prompt_tokens: TokenIds, lora_name: str | None = None) -> None:
+        """Run ``prompt_tokens`` now, so later requests extending it start from its keys/values.
+
+        Optional: every evaluated context is cached anyway.
+        """
+        self.next_token_logprobs_sync(prompt_tokens, lora_name)
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample(
+        self,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[int]:
+        """Sample a continuation of ``prompt_token_ids`` token by token, under adapter ``lora_name``.
+
+        Stops after ``max_tokens`` tokens or at the first token in
+        ``eos_token_ids`` (which is not returned). With a ``seed`` the result
+        is reproducible; sampling happens on the CPU.
+
+        Raises:
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0 or unknown ``lora_name``.
+        """
+        check_sampling_options(max_tokens, temperature)
+        self.adapters.resolve(lora_name)
+        prompt = validate_token_ids(prompt_token_ids, self.vocab_size)
+
+        async def next_logprobs(context: list[int]) -> torch.Tensor:
+            return await self.next_token_logprobs(context, lora_name)
+
+        generator = make_generator(seed)
+        return await sample_continuation(
+            next_logprobs, prompt, max_tokens, eos_token_ids, temperature, generator
+        )
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[TokenIds],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[list[int]]:
+        """:meth:`sample` each prompt concurrently (the model batches their steps).
+
+        With a ``seed``, prompt ``i`` gets its own independent stream derived
+        from ``(seed, i)``, so identical prompts give independent samples and
+        the whole call is reproducible.
+        """
+        prompts = as_list_of_contexts(prompt_token_ids_list)
+        validate_contexts(prompts, self.vocab_size, argument="prompt_token_ids_list")
+        seeds = stream_seeds(seed, len(prompts))
+        samples = await asyncio.gather(
+            *(
+                self.sample(prompt, max_tokens, eos_token_ids, temperature, s, lora_name)
+                for prompt, s in zip(prompts, seeds)
+            )
+        )
+        return list(samples)
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_new_lora(self, lora_path, lora_name: str = "lora_1") -> None:
+        """Load a LoRA adapter from ``lora_path`` as ``lora_name``; select it per call with ``lora_name=``.
+
+        Registering an existing name replaces its weights and drops exactly
+        the results and keys/values cached under the old ones.
+
+        Raises:
+            TypeError: ``lora_name`` is not a string.
+            ValueError: this backend cannot serve adapters (the message says why).
+            ImportError: peft is missing (transformers backend).
+        """
+        self._core.add_adapter(lora_path, lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload ``lora_name`` and drop exactly its cached results and keys/values.
+
+        Raises:
+            ValueError: unknown ``lora_name``.
+        """
+        self._core.remove_adapter(lora_name)
+
+    def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:
+        """Make ``lora_name`` the default adapter: the one calls with ``lora_name=None`` run under.
+
+        Loads it from ``lora_path`` first when given. Calls that pass
+        ``lora_name=`` are not affected; requests already made keep the
+        adapter they were made under.
+
+        Raises:
+            ValueError: ``lora_name`` is unknown and no ``lora_path`` is given.
+        """
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self.adapters.default = self.adapters.get(lora_name)
+
+    def clear_lora(self) -> None:
+        """Make the base model the default again (adapters stay loaded)."""
+        self.adapters.default = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def clear_cache(self) -> None:
+        """Drop every cached result and reusable prefix; later results are recomputed."""
+        self._core.clear(rows=True)
+
+    def clear_kv_cache(self) -> None:
+        """Drop every retained key/value (results in the output cache stay)."""
+        self._core.clear(rows=False)
+
+    def reset_async_queries(self) -> asyncio.Task | None:
+        """Fail every pending request of the running event loop; later requests get a fresh batcher.
+
+        A plain method: call it with or without ``await``. Inside a running
+        loop it returns a task that finishes once those requests have failed
+        (await it to wait for that); outside a loop nothing is pending and it
+        returns ``None``.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return loop.create_task(self._batchers.reset_current())
+
+    async def aclose(self) -> None:
+        """Fail pending requests with :class:`BackendClosedError` and release the model.
+
+        Pending callers fail at once; the model is released once a batch
+        still computing has finished, without blocking the event loop
+        meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
+        """
+        self._core.is_closed = True
+        await self._batchers.reset_current()
+        # A batch may still be computing in the worker thread (its callers have
+        # already failed): wait for it off the event loop, then release the model.
+        await asyncio.to_thread(self._core.wait_idle)
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""
+        self._core.is_closed = True
+        self._batchers.shutdown()
+        self._core.close()
+
+    def cleanup(self) -> None:
+        """Same as :meth:`close`."""
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

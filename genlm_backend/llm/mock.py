@@ -33,6 +33,10 @@ class MockRunner:
     def stats(self) -> RunnerStats:
         return RunnerStats(num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=0)
 
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: its context length."""
+        return len(request.context)
+
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         rows = [self._logits(request) for request in requests]
         self.num_tokens_computed += sum(len(request.context) for request in requests)

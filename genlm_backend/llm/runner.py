@@ -78,6 +78,12 @@ class Runner(Protocol):
             ValueError: a request's adapter is not (or no longer) loaded.
         """
 
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget (at least 1).
+
+        Called from the event loop while a batch may run: an estimate is fine.
+        """
+
     def run_uncached(self, request: Request) -> torch.Tensor:
         """The reference: one plain forward over the whole context, no cache read or written. ``[vocab_size]``."""
 

@@ -87,6 +87,10 @@ class RemoteRunner:
     def stats(self) -> RunnerStats:
         return RunnerStats(num_tokens_computed=self._num_tokens_sent, kv_cache_bytes=0)
 
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: its context length."""
+        return len(request.context)
+
     def fetch_info(self) -> dict:
         """The server's ``/v1/info`` map; remembers its model id (checked on every later answer)."""
         info = protocol.unpack(self._call("GET", "/v1/info").data)
@@ -279,7 +283,7 @@ class RemoteLM(AsyncLM):
 
     def clear_kv_cache(self) -> None:
         """Drop the server's retained keys/values (results in both output caches stay)."""
-        with self._compute_lock:
+        with self._core.lock:
             self.runner.clear_server("kv")
 
 

@@ -76,7 +76,7 @@ class KVEntry:
     ``[start, start + length)``; tokens ``[0, offset)`` are the first
     ``offset`` tokens of ``parent`` (``None`` when ``offset`` is 0). A parent
     stays cached while it has dependents (see
-    :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`).
+    :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree`).
     """
 
     block: KVBlock

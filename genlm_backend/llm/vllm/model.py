@@ -1,7 +1,7 @@
 """AsyncVirtualLM: an :class:`~genlm_backend.llm.base.AsyncLM` over a vLLM capture engine.
 
 The engine work (one request per context, captured log-probability rows,
-particle sessions, adapters) is :class:`~genlm_backend.llm.vllm_runner.VLLMRunner`'s;
+particle sessions, adapters) is :class:`~genlm_backend.llm.vllm.runner.VLLMRunner`'s;
 this module builds the engine and configures the runner.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from genlm_backend.llm import vllm_compat
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.llm.vllm_compat import build_capture_engine
-from genlm_backend.llm.vllm_runner import VLLMRunner
+from genlm_backend.llm.vllm import compat as vllm_compat
+from genlm_backend.llm.vllm.compat import build_capture_engine
+from genlm_backend.llm.vllm.runner import VLLMRunner
 
 VLLM_ENV_DEFAULTS: Mapping[str, str] = {
     # Keep the engine core in this process: captured rows then never cross a process.

@@ -4,7 +4,7 @@ A row reuses the cached keys/values of its context's first ``reused``
 tokens, which the KV tree holds as a chain of pieces (a shared prompt's
 entry, then a particle's own span, ...). The layout splits that chain at
 ``split``: the pieces before it are *levels*, read in place by the
-attention (:mod:`~genlm_backend.llm.hf_attention`) once for every row that
+attention (:mod:`~genlm_backend.llm.hf.attention`) once for every row that
 shares them; the pieces after it are copied into the batch's cache, the
 row's *own part*, followed by its new tokens. Layout of the batch's cache
 (``P`` = longest own past, ``K`` = most new tokens)::
@@ -14,7 +14,7 @@ row's *own part*, followed by its new tokens. Layout of the batch's cache
 
 A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
-(:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extendable_block`): the
+(:meth:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree.extendable_block`): the
 SMC step, with no copy at all.
 
 Before that, :func:`shared_uncached_prefixes` says which prefixes, shared by
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlm_backend.cache.kv_block import KVBlock, KVEntry
-from genlm_backend.llm.hf_attention import Level
+from genlm_backend.llm.hf.attention import Level
+from genlm_backend.llm.hf.kv_block import KVBlock, KVEntry
 
 Piece = tuple[KVEntry, int]
 """The first ``n`` slots of an entry's own span."""
@@ -50,7 +50,7 @@ class LevelPolicy:
     uncached tokens get those computed once first.
     ``enabled=False`` copies everything: the layout for models whose
     attention cannot be split (see
-    :func:`~genlm_backend.llm.hf_compat.shared_levels_unsupported`).
+    :func:`~genlm_backend.llm.hf.compat.shared_levels_unsupported`).
     """
 
     enabled: bool = True

@@ -2,13 +2,13 @@
 
 No asyncio here: :meth:`HFRunner.logprobs` takes distinct contexts and
 returns a ``[B, V]`` tensor. For each context it looks up the longest cached
-prefix in a :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, runs the model
+prefix in a :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree`, runs the model
 over the remaining tokens only, and leaves the new keys/values in the tree.
 
 Cached prefixes shared by rows (a long prompt in front of every particle)
 stay where they are, held once, and the attention reads each once for all
-its rows (:mod:`~genlm_backend.llm.hf_layout` says which part of a row is
-read where, :mod:`~genlm_backend.llm.hf_attention` computes it). The rest of
+its rows (:mod:`~genlm_backend.llm.hf.plan` says which part of a row is
+read where, :mod:`~genlm_backend.llm.hf.attention` computes it). The rest of
 each row's past is copied into a new block, or the step writes in place
 into the block it extends; a transformers ``StaticCache`` over the block's
 tensors lets the model write the new keys/values there, and the new
@@ -23,11 +23,10 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
-from genlm_backend.llm import hf_layout as layout
-from genlm_backend.llm.hf_adapters import PeftAdapters
-from genlm_backend.llm.hf_attention import Cascade
-from genlm_backend.llm.hf_compat import (
+from genlm_backend.llm.hf import plan as layout
+from genlm_backend.llm.hf.adapters import PeftAdapters
+from genlm_backend.llm.hf.attention import Cascade
+from genlm_backend.llm.hf.compat import (
     StaticCaches,
     cache_nbytes,
     check_transformers_version,
@@ -37,7 +36,8 @@ from genlm_backend.llm.hf_compat import (
     max_positions,
     shared_levels_unsupported,
 )
-from genlm_backend.llm.hf_layout import LevelPolicy, Row
+from genlm_backend.llm.hf.kv_tree import KVBlock, KVPrefixTree, Placement
+from genlm_backend.llm.hf.plan import LevelPolicy, Row
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
 
 

@@ -47,7 +47,7 @@ REQUEST_ID_ARG = "genlm_request_id"
 """Key of ``SamplingParams.extra_args`` naming the request whose row is captured."""
 STORE_ID_ARG = "genlm_capture_store"
 """Key of ``VllmConfig.additional_config`` naming the engine's store in its worker process."""
-EXTENSION_CLS = "genlm_backend.llm.vllm_compat.capture.CaptureWorkerExtension"
+EXTENSION_CLS = "genlm_backend.llm.vllm.capture.CaptureWorkerExtension"
 
 
 class CaptureStore:

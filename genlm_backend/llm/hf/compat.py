@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from genlm_backend.llm.hf_attention import Cascade, cascade_attention
+from genlm_backend.llm.hf.attention import Cascade, cascade_attention
 
 SUPPORTED_TRANSFORMERS = (5, 6)
 """Major versions of transformers whose internals this module was written against: ``[5, 6)``."""
@@ -129,7 +129,7 @@ def _genlm_attention(
     genlm_causal=False,
     **kwargs,
 ):
-    """The runner's attention function: :func:`~genlm_backend.llm.hf_attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
+    """The runner's attention function: :func:`~genlm_backend.llm.hf.attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
 
     ``genlm_cascade`` (the pass's levels) and ``genlm_causal`` (the mask is plain causal over
     every key) reach it as keywords of the model's forward call, which

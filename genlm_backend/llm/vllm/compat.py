@@ -45,11 +45,11 @@ def build_capture_engine(engine_args):
 
     Raises:
         ValueError: options the capture path cannot serve (see
-            :func:`~genlm_backend.llm.vllm_compat.capture.install_capture`).
+            :func:`~genlm_backend.llm.vllm.capture.install_capture`).
     """
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from genlm_backend.llm.vllm_compat.capture import install_capture
+    from genlm_backend.llm.vllm.capture import install_capture
 
     vllm_config = engine_args.create_engine_config()
     install_capture(vllm_config)
@@ -60,7 +60,7 @@ def sampling_params(capture_id: str):
     """One greedy token whose log-probability row is captured under ``capture_id``."""
     from vllm import SamplingParams
 
-    from genlm_backend.llm.vllm_compat.capture import REQUEST_ID_ARG
+    from genlm_backend.llm.vllm.capture import REQUEST_ID_ARG
 
     return SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False, extra_args={REQUEST_ID_ARG: capture_id}
@@ -140,7 +140,7 @@ def cleanup_process_state() -> None:
     """Tear down vLLM's process-wide distributed state once no capture engine is left."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from genlm_backend.llm.vllm_compat.capture import num_live_stores
+    from genlm_backend.llm.vllm.capture import num_live_stores
 
     if num_live_stores() == 0:
         cleanup_dist_env_and_memory()

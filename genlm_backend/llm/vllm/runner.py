@@ -4,7 +4,7 @@ The data path of one batch (in the AsyncLM worker thread)::
 
     requests -> one engine request each (max_tokens=1, capture id in extra_args,
                 the request's LoRARequest) -> LLMEngine.step() until all finish
-        -> the capture processor files log_softmax rows by capture id (vllm_compat.capture)
+        -> the capture processor files log_softmax rows by capture id (vllm/capture.py)
         -> collective_rpc: take the rows -> [B, V] float32 -> trimmed to the vocabulary
 
 Particle sessions. A finished request leaves only whole KV blocks in vLLM's
@@ -27,12 +27,12 @@ from collections.abc import Sequence
 import torch
 
 from genlm_backend.errors import CaptureError
-from genlm_backend.llm import vllm_compat
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab
+from genlm_backend.llm.vllm import compat as vllm_compat
 
 
 class VLLMRunner:
-    """Turns batches of requests into rows of a capture engine (see :func:`~genlm_backend.llm.vllm_compat.build_capture_engine`).
+    """Turns batches of requests into rows of a capture engine (see :func:`~genlm_backend.llm.vllm.compat.build_capture_engine`).
 
     Args:
         engine: A ``vllm.v1.engine.llm_engine.LLMEngine`` built for capture.

@@ -1,0 +1,211 @@
+"""The synchronous core of an :class:`~genlm_backend.llm.base.AsyncLM`: requests to rows, no asyncio.
+
+:class:`LMCore` owns what every call path shares: the runner, the output
+cache, the adapter registry, the compute lock and the counters. The async
+calls reach :meth:`LMCore.compute` through the batcher's worker thread; the
+``*_sync`` calls run it in the calling thread. Every model call holds
+:attr:`LMCore.lock`, so the runner is never called concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from genlm_backend.batching import BatchingConfig
+from genlm_backend.cache.output import OutputCache
+from genlm_backend.errors import BackendClosedError
+from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.runner import Adapter, Request, Runner
+from genlm_backend.llm.stats import LMStats
+from genlm_backend.llm.validation import TokenIds, validate_contexts
+
+
+class LMCore:
+    """Validation, the output cache, adapters, counters and model calls of one backend.
+
+    Args:
+        vocab_size: Length of every row.
+        max_context_length: Longest accepted context, ``None`` for no limit.
+        output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
+        batching: How the sync path splits a call into model batches.
+        owner: The backend's class name, for error messages.
+    """
+
+    runner: Runner
+    """What computes batches (set by the backend once built)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_context_length: int | None,
+        output_cache_bytes: int,
+        batching: BatchingConfig,
+        owner: str,
+    ):
+        self.vocab_size = vocab_size
+        self.max_context_length = max_context_length
+        self.output_cache = OutputCache(output_cache_bytes)
+        self.adapters = AdapterRegistry()
+        self.batching = batching
+        self.lock = threading.Lock()
+        """Held by every model call and every change of the runner's state."""
+        self.is_closed = False
+        self._owner = owner
+        self._num_requests = self._num_tokens_requested = self._num_cache_hits = 0
+        self._num_batches = self._num_contexts_computed = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def requests(
+        self, token_ids_list: list[TokenIds], lora_name: str | None, argument: str | None
+    ) -> list[Request]:
+        """Validate the adapter and every context, then count them: a rejected call counts nothing.
+
+        Errors name ``argument[i]``, the bad context's index in the call (or
+        just the context when ``argument`` is ``None``: single-context calls).
+
+        Raises:
+            TypeError, ValueError: a bad context or an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        self.check_open()
+        adapter = self.adapters.resolve(lora_name)
+        contexts = validate_contexts(
+            token_ids_list, self.vocab_size, self.max_context_length, argument
+        )
+        self._num_requests += len(contexts)
+        self._num_tokens_requested += sum(map(len, contexts))
+        return [Request(adapter, context) for context in contexts]
+
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget (the runner's estimate)."""
+        return self.runner.request_tokens(request)
+
+    def check_open(self) -> None:
+        """Raises :class:`BackendClosedError` once the backend is closed."""
+        if self.is_closed:
+            raise BackendClosedError(f"this {self._owner} is closed")
+
+    def cached(self, request: Request) -> torch.Tensor | None:
+        """The output cache's row for ``request`` (counted as a hit), or ``None``."""
+        row = self.output_cache.get(request)
+        if row is not None:
+            self._num_cache_hits += 1
+        return row
+
+    # ------------------------------------------------------------------ computing
+
+    def compute(self, requests: list[Request]) -> list[torch.Tensor | ValueError]:
+        """Compute distinct requests (of one adapter or several) and fill the output cache.
+
+        A request whose adapter was removed or re-registered since the call is
+        not computed: its slot holds the ``ValueError`` its caller gets.
+        """
+        with self.lock:
+            self.check_open()
+            current = [request for request in requests if self.adapters.is_current(request.adapter)]
+            rows = dict(zip(current, self.runner.run(current).unbind(0))) if current else {}
+            self._num_batches += 1
+            self._num_contexts_computed += len(current)
+            for request, row in rows.items():
+                self.output_cache.put(request, row)
+        return [
+            rows[request] if request in rows else _replaced_adapter_error(request)
+            for request in requests
+        ]
+
+    def compute_now(self, requests: Sequence[Request]) -> torch.Tensor:
+        """``[len(requests), V]`` rows computed in the calling thread: cached rows, then model batches.
+
+        Raises:
+            ValueError: a request's adapter was replaced meanwhile.
+        """
+        rows: dict[Request, torch.Tensor] = {}
+        for request in requests:
+            cached = self.cached(request)
+            if cached is not None:
+                rows[request] = cached
+        missing = [request for request in dict.fromkeys(requests) if request not in rows]
+        for chunk in self.batching.split(missing, self.request_tokens):
+            for request, row in zip(chunk, self.compute(chunk)):
+                if isinstance(row, ValueError):
+                    raise row
+                rows[request] = row
+        return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
+
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        """One plain forward pass over the whole context (the reference): ``[V]``."""
+        self.check_open()
+        with self.lock:
+            return self.runner.run_uncached(request)
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter(self, lora_path, lora_name: str) -> None:
+        """Load ``lora_path`` as ``lora_name``, dropping what was cached under an old registration."""
+        adapter = self.adapters.new_version(lora_path, lora_name)
+        with self.lock:
+            self.check_open()
+            if lora_name in self.adapters:
+                self._drop_adapter(self.adapters.get(lora_name))
+            self.runner.load_adapter(adapter)
+            self.adapters.record(adapter)
+
+    def remove_adapter(self, lora_name: str) -> None:
+        """Unload ``lora_name`` and drop exactly its cached rows and keys/values."""
+        with self.lock:
+            self._drop_adapter(self.adapters.forget(lora_name))
+
+    def _drop_adapter(self, adapter: Adapter) -> None:
+        self.output_cache.discard_if(
+            lambda request: isinstance(request, Request) and request.adapter == adapter
+        )
+        self.runner.unload_adapter(adapter)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def clear(self, rows: bool) -> None:
+        """Drop the runner's keys/values, and the cached rows too with ``rows``."""
+        with self.lock:
+            if rows:
+                self.output_cache.clear()
+            self.runner.clear()
+
+    def close(self) -> None:
+        """Drop the cached rows and release the model, once no batch is computing. Idempotent."""
+        self.is_closed = True
+        with self.lock:
+            self.output_cache.clear()
+            runner = getattr(self, "runner", None)  # None if the backend failed before building it
+            if runner is not None:
+                runner.close()
+
+    def wait_idle(self) -> None:
+        """Return once no batch is computing (acquires and releases the lock in this thread)."""
+        with self.lock:
+            pass
+
+    @property
+    def stats(self) -> LMStats:
+        runner_stats = self.runner.stats
+        return LMStats(
+            num_requests=self._num_requests,
+            num_batches=self._num_batches,
+            num_contexts_computed=self._num_contexts_computed,
+            num_output_cache_hits=self._num_cache_hits,
+            num_tokens_requested=self._num_tokens_requested,
+            num_tokens_computed=runner_stats.num_tokens_computed,
+            output_cache_bytes=self.output_cache.stats.bytes_held,
+            kv_cache_bytes=runner_stats.kv_cache_bytes,
+        )
+
+
+def _replaced_adapter_error(request: Request) -> ValueError:
+    # adapter None is the base model, which is never replaced; named for completeness
+    name = request.adapter.name if request.adapter is not None else None
+    return ValueError(
+        f"LoRA adapter {name!r} was removed or re-registered while this request waited"
+    )
