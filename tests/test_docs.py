@@ -68,8 +68,8 @@ def test_the_api_reference_covers_every_backend_and_the_demo():
         path = ROOT.joinpath(*module.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
     required = {
-        "genlm_backend.llm.hf",
-        "genlm_backend.llm.vllm",
+        "genlm_backend.llm.hf.model",
+        "genlm_backend.llm.vllm.model",
         "genlm_backend.llm.mock",
         "genlm_backend.demo",
         "genlm_backend.cli",

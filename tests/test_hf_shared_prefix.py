@@ -16,11 +16,12 @@ from genlm_backend.llm.hf import AsyncTransformer
 from genlm_backend.llm.hf.attention import (
     Cascade,
     Level,
-    attention_with_lse,
     cascade_attention,
+    grouped_attention_with_lse,
+    kernel_mask,
+    math_attention_with_lse,
     prefix_attention_with_lse,
 )
-from genlm_backend.llm.hf.attention import _math_attention_with_lse as math_attention_with_lse
 from genlm_backend.llm.hf.kv_block import KVBlock
 from genlm_backend.llm.hf.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
@@ -55,6 +56,32 @@ def cuda_path(request):
 @pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
 def tiny(request):
     return request.getfixturevalue(request.param)
+
+
+def attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and the log-sum-exp of each query's scores.
+
+    Args:
+        query: ``[B, Hq, L, D]``.
+        key, value: ``[B, Hkv, S, D]``, ``Hq`` a multiple of ``Hkv`` (grouped heads are not repeated).
+        mask: Additive ``[B, 1, L, S]`` (``-inf`` or the dtype's minimum where hidden) or ``None``.
+        scale: Factor of the scores.
+
+    Returns:
+        ``output [B, Hq, L, D]`` in ``query``'s dtype and ``lse [B, Hq, L]`` in float32.
+    """
+    num_kv_heads = key.shape[1]
+    num_groups = query.shape[1] // num_kv_heads
+    if mask is not None:
+        mask = kernel_mask(mask, num_groups, num_kv_heads)
+    output, lse = grouped_attention_with_lse(query, key, value, mask, scale)
+    return output.flatten(1, 2), lse.flatten(1, 2)
 
 
 def particles_llm(model, tokenizer, **kwargs) -> AsyncTransformer:

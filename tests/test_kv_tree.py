@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.llm.hf.kv_tree import KVBlock, KVEntry, KVPrefixTree
+from genlm_backend.llm.hf.kv_tree import KVBlock, KVEntry, KVPrefixTree, Placement
+from genlm_backend.llm.hf.plan import extendable_block
 from genlm_backend.llm.hf.token_trie import NUM_RECENT_CONTEXTS
 
 NUM_LAYERS = 2
@@ -35,12 +36,18 @@ def cache_contexts(tree: KVPrefixTree, contexts: list[list[int]], namespace=None
     return block
 
 
+def slots(block: KVBlock, layer: int, row: int, start: int, length: int):
+    """Keys and values ``[H, length, D]`` of ``row``'s slots ``[start, start + length)`` in ``layer``."""
+    keys, values = block.layers[layer]
+    return keys[row, :, start : start + length], values[row, :, start : start + length]
+
+
 def reused_tokens(tree: KVPrefixTree, context: list[int], namespace=None) -> list[int]:
     """The tokens whose keys the tree would hand out for ``context``."""
     entry, shared = tree.longest_prefix(context, namespace)
     if entry is None:
         return []
-    keys, values = entry.block.keys_values(NUM_LAYERS - 1, entry.row, entry.start, shared)
+    keys, values = slots(entry.block, NUM_LAYERS - 1, entry.row, entry.start, shared)
     assert torch.equal(keys, values)
     return [int(t) for t in keys[0, :, 0]]
 
@@ -188,7 +195,7 @@ def test_random_workloads_match_a_brute_force_model(seed, budget_blocks):
 
 
 def entry_context(entry: KVEntry) -> list[int]:
-    keys, _ = entry.block.keys_values(0, entry.row, entry.start, entry.length)
+    keys, _ = slots(entry.block, 0, entry.row, entry.start, entry.length)
     return [int(t) for t in keys[0, :, 0]]
 
 
@@ -208,15 +215,17 @@ def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_e
     tree = KVPrefixTree(1 << 20)
     contexts = [[1, 2, 3], [4, 5, 6]]
     block = make_block(contexts, [0, 0], num_slots=5)
-    assert tree.commit(block, [(c, row, 0) for row, c in enumerate(contexts)])
+    assert tree.commit(block, [Placement(c, row, 0) for row, c in enumerate(contexts)])
     assert block.row_ends == [3, 3]
     steps = [tree.longest_prefix(c + [9]) for c in contexts]
-    assert tree.extendable_block(steps) is block
-    assert tree.extendable_block(steps[::-1]) is None  # rows swapped: not each row's own slots
-    assert tree.extendable_block([steps[0]]) is None  # not every row of the block steps
+    assert extendable_block(steps) is block
+    assert extendable_block(steps[::-1]) is None  # rows swapped: not each row's own slots
+    assert extendable_block([steps[0]]) is None  # not every row of the block steps
     short = [tree.longest_prefix(c[:2] + [9]) for c in contexts]  # branches off inside: slots taken
-    assert tree.extendable_block([(e, min(n, 2)) for e, n in short]) is None
-    assert not KVPrefixTree(0).commit(make_block(contexts, [0, 0], 5), [(contexts[0], 0, 0)])
+    assert extendable_block([(e, min(n, 2)) for e, n in short]) is None
+    assert not KVPrefixTree(0).commit(
+        make_block(contexts, [0, 0], 5), [Placement(contexts[0], 0, 0)]
+    )
 
 
 def test_a_prompt_others_continue_stays_a_walk_shortcut_past_many_newer_contexts():

@@ -90,32 +90,6 @@ def kernel_mask(mask: torch.Tensor, num_groups: int, num_kv_heads: int) -> torch
     return padded.view(num_rows, num_kv_heads, num_groups * num_queries, -1)[..., :num_keys]
 
 
-def attention_with_lse(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and the log-sum-exp of each query's scores.
-
-    Args:
-        query: ``[B, Hq, L, D]``.
-        key, value: ``[B, Hkv, S, D]``, ``Hq`` a multiple of ``Hkv`` (grouped heads are not repeated).
-        mask: Additive ``[B, 1, L, S]`` (``-inf`` or the dtype's minimum where hidden) or ``None``.
-        scale: Factor of the scores.
-
-    Returns:
-        ``output [B, Hq, L, D]`` in ``query``'s dtype and ``lse [B, Hq, L]`` in float32.
-    """
-    num_kv_heads = key.shape[1]
-    num_groups = query.shape[1] // num_kv_heads
-    if mask is not None:
-        mask = kernel_mask(mask, num_groups, num_kv_heads)
-    output, lse = grouped_attention_with_lse(query, key, value, mask, scale)
-    return output.flatten(1, 2), lse.flatten(1, 2)
-
-
 def grouped_attention_with_lse(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -123,7 +97,7 @@ def grouped_attention_with_lse(
     mask: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_with_lse` with ``mask`` made by :func:`kernel_mask`, results ``[B, Hkv, g, L, D]`` and ``[B, Hkv, g, L]``.
+    """Softmax attention and each query's log-sum-exp, ``mask`` made by :func:`kernel_mask`; results ``[B, Hkv, g, L, D]`` and ``[B, Hkv, g, L]``.
 
     The results are views of the kernel's outputs, grouped heads next to
     their key/value head.
@@ -142,7 +116,7 @@ def grouped_attention_with_lse(
         output, lse = _cuda_attention_with_lse(grouped, key, value, mask, scale)
         shape = (heads[1], num_queries)
         return output.unflatten(2, shape), lse.unflatten(2, shape)
-    return _math_attention_with_lse(query, key, value, mask, scale)
+    return math_attention_with_lse(query, key, value, mask, scale)
 
 
 def prefix_attention_with_lse(
@@ -162,7 +136,7 @@ def prefix_attention_with_lse(
         return output, _float32(lse)
     if kernels == "cuda":
         return _cuda_attention_with_lse(query, key, value, None, scale)
-    output, lse = _math_attention_with_lse(query, key, value, None, scale)
+    output, lse = math_attention_with_lse(query, key, value, None, scale)
     return output.flatten(1, 2), lse.flatten(1, 2)
 
 
@@ -189,7 +163,7 @@ def _cuda_attention_with_lse(query, key, value, bias, scale):
     return output, lse[..., : query.shape[2]]  # its rows are padded to a multiple of 32
 
 
-def _math_attention_with_lse(query, key, value, mask, scale):
+def math_attention_with_lse(query, key, value, mask, scale):
     """Plain products, grouped heads kept grouped, in query chunks of bounded size: ``[B, Hkv, g, L, D]`` and ``[B, Hkv, g, L]``."""
     num_batch, num_q_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_keys = key.shape[1], key.shape[2]

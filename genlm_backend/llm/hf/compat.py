@@ -45,26 +45,29 @@ def check_transformers_version(version: str | None = None) -> None:
 
 
 @contextmanager
-def head_sees_only(model, last: torch.Tensor | None):
-    """While active, the output head gets each row's hidden state at ``last[row]`` only.
+def head_sees_only(model, reads: tuple[torch.Tensor, torch.Tensor] | None):
+    """While active, the output head gets the hidden states at ``reads = (rows, positions)`` only.
 
-    Rows end at different new positions, so the model is asked for logits at
+    Rows yield logits at different new positions (each row's last, and the
+    positions of contexts nested in it), so the model is asked for logits at
     every new position; without this the head would compute ``[B, K, V]``
-    logits (``B * K * V`` floats, gigabytes for long prompts) to keep ``B`` rows.
-    The hook sits on the head module, so whatever the model does after it
-    (soft-capping, scaling) still applies. ``last=None`` leaves the head alone.
+    logits (``B * K * V`` floats, gigabytes for long prompts) to keep a few.
+    The head's input becomes ``[N, 1, H]``, one per read, and the model's
+    logits ``[N, 1, V]``. The hook sits on the head module, so whatever the
+    model does after it (soft-capping, scaling) still applies.
+    ``reads=None`` leaves the head alone.
     """
-    head = model.get_output_embeddings() if last is not None else None
-    if head is None:
+    head = model.get_output_embeddings() if reads is not None else None
+    if reads is None or head is None:
         yield
         return
+    rows, positions = reads
 
-    def gather_last(module, args):
-        hidden = args[0]  # [B, K, H] -> [B, 1, H]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return (hidden[rows, last][:, None], *args[1:])
+    def gather(module, args):
+        hidden = args[0]  # [B, K, H] -> [N, 1, H]
+        return (hidden[rows, positions][:, None], *args[1:])
 
-    handle = head.register_forward_pre_hook(gather_last)
+    handle = head.register_forward_pre_hook(gather)
     try:
         yield
     finally:

@@ -62,11 +62,6 @@ class KVBlock:
         """Bytes of one row's keys and values at one slot, over all layers."""
         return self.nbytes // max(1, self.num_rows * self.num_slots)
 
-    def keys_values(self, layer: int, row: int, start: int, length: int):
-        """Keys and values ``[H, length, D]`` of ``row``'s slots ``[start, start + length)``."""
-        keys, values = self.layers[layer]
-        return keys[row, :, start : start + length], values[row, :, start : start + length]
-
 
 @dataclass(eq=False)
 class KVEntry:
@@ -158,32 +153,3 @@ class Placement:
     start: int
     offset: int = 0
     parent: KVEntry | None = None
-
-
-def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
-    """The block a batch of one-token steps may write into in place, or ``None``.
-
-    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-    row ``i`` extends, by one token, the whole context of an entry held
-    by row ``i`` of one block; those entries' spans all end at the same
-    slot, which is their row's last written slot (so the slot written now
-    belongs to no other entry), and a free slot is left. That is the SMC
-    step without resampling; anything else is copied into a new block.
-    """
-    first = steps[0][0] if steps else None
-    if first is None:
-        return None
-    block, end = first.block, first.start + first.length
-    if block.num_rows != len(steps) or end >= block.num_slots:
-        return None
-    for i, (entry, reused) in enumerate(steps):
-        if (
-            entry is None
-            or entry.block is not block
-            or entry.row != i
-            or reused != entry.context_length
-            or entry.start + entry.length != end
-            or block.row_ends[i] != end
-        ):
-            return None
-    return block

@@ -26,7 +26,6 @@ from genlm_backend.llm.hf.kv_block import (
     KVCacheStats,
     KVEntry,
     Placement,
-    extendable_block,
 )
 from genlm_backend.llm.hf.token_trie import TokenTrie, TrieNode
 
@@ -216,22 +215,20 @@ class KVPrefixTree:
     def commit(
         self,
         block: KVBlock,
-        placements: Sequence[tuple[Sequence[int], int, int] | Placement],
+        placements: Sequence[Placement],
         namespace: Hashable = None,
     ) -> bool:
         """Keep a computed block: each placement becomes an entry over its row's slots.
 
-        A placement is a :class:`Placement` or ``(context, row, start)`` (no
-        parent). A new block is first made room for (see :meth:`reserve`); if
+        A new block is first made room for (see :meth:`reserve`); if
         it does not fit, nothing is kept and ``False`` is returned. Records
-        where each row's written slots end, which :meth:`extendable_block`
+        where each row's written slots end, which :func:`~genlm_backend.llm.hf.plan.extendable_block`
         relies on.
         """
-        kept = [p if isinstance(p, Placement) else Placement(*p) for p in placements]
-        pinned = [p.parent for p in kept if p.parent is not None]
+        pinned = [p.parent for p in placements if p.parent is not None]
         if block.num_live_entries == 0 and not self.reserve(block.nbytes, pinned):
             return False
-        for p in kept:
+        for p in placements:
             if p.parent is not None and self._lru.get(id(p.parent)) is not p.parent:
                 continue  # its parent was evicted meanwhile: this row is not kept
             length = len(p.context) - p.offset
@@ -239,8 +236,6 @@ class KVPrefixTree:
             entry = KVEntry(block, p.row, p.start, length, p.offset, p.parent)
             self.insert(p.context, entry, namespace)
         return True
-
-    extendable_block = staticmethod(extendable_block)
 
     def drop_namespace(self, namespace: Hashable) -> int:
         """Evict every entry of ``namespace`` (e.g. an adapter being unloaded); returns how many."""
@@ -258,11 +253,6 @@ class KVPrefixTree:
             if self._lru.get(id(entry)) is entry:
                 self._evict(entry, prune=False)
         return len(doomed)
-
-    def evict_to_budget(self) -> None:
-        """Evict least recently used entries until the live blocks fit the budget."""
-        while self._bytes_held > self.budget_bytes and self._lru:
-            self._evict(next(iter(self._lru.values())))
 
     def clear(self) -> None:
         """Drop every entry and block."""

@@ -1,24 +1,31 @@
-"""Where each row of an HF forward pass finds its keys/values: shared levels and its own part.
+"""The batch plan, a value: what each forward pass computes, reads and leaves in the KV tree.
 
-A row reuses the cached keys/values of its context's first ``reused``
-tokens, which the KV tree holds as a chain of pieces (a shared prompt's
-entry, then a particle's own span, ...). The layout splits that chain at
-``split``: the pieces before it are *levels*, read in place by the
-attention (:mod:`~genlm_backend.llm.hf.attention`) once for every row that
-shares them; the pieces after it are copied into the batch's cache, the
-row's *own part*, followed by its new tokens. Layout of the batch's cache
-(``P`` = longest own past, ``K`` = most new tokens)::
+A context reuses the cached keys/values of its first ``reused`` tokens,
+which the KV tree holds as a chain of pieces (a shared prompt's entry, then
+a particle's own span, ...). A :class:`RowPlan` splits that chain: the
+pieces before the split are *levels*, read in place by the attention
+(:mod:`~genlm_backend.llm.hf.attention`) once for every row that shares
+them; the pieces after it are the row's *own part*, copied into the pass's
+block, followed by its new tokens. Layout of a new block (``P`` = longest
+own past, ``K`` = most new tokens)::
 
     slot:   0 ........ P-own_i ...... P ........ P+k_i ...... P+K
     row i:  [ unused  | copied pieces | new tokens | padding    ]
 
 A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
-(:meth:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree.extendable_block`): the
-SMC step, with no copy at all.
+(:func:`extendable_block`): the SMC step, with no copy at all.
 
-Before that, :func:`shared_uncached_prefixes` says which prefixes, shared by
-several contexts of a batch and not cached yet, are computed once first.
+A context that is a prefix of another context of the batch, whose row
+computes the position after it, is not a row of its own: its next-token
+row is read from the longer row's pass (:attr:`RowPlan.reads`), so scoring
+the prefixes of one continuation costs one forward pass.
+
+:func:`plan_batch` decides all of it once per batch, from the tree as it
+is; :class:`BatchPlan` is immutable. The runner executes its passes and
+commits :meth:`PassPlan.placements` to the tree. Before planning,
+:func:`shared_uncached_prefixes` says which prefixes, shared by several
+contexts and not cached yet, are computed first, as batches of their own.
 """
 
 from __future__ import annotations
@@ -26,12 +33,12 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from genlm_backend.llm.hf.attention import Level
-from genlm_backend.llm.hf.kv_block import KVBlock, KVEntry
+from genlm_backend.llm.hf.kv_block import KVBlock, KVEntry, Placement
 
 Piece = tuple[KVEntry, int]
 """The first ``n`` slots of an entry's own span."""
@@ -59,22 +66,41 @@ class LevelPolicy:
     min_prefill_tokens: int = 32
 
 
-@dataclass
-class Row:
-    """One context of a batch: reuse ``reused`` cached tokens, ``split`` of them as levels; compute the rest."""
+@dataclass(frozen=True)
+class Lookup:
+    """A context of the batch and what the tree holds of it: ``entry`` serves its first ``reused`` tokens."""
 
     index: int
+    """The context's row in the batch's output."""
     context: tuple[int, ...]
     entry: KVEntry | None
     reused: int
-    split: int = 0
-    levels: list[Piece] = field(default_factory=list)
-    own: list[Piece] = field(default_factory=list)
-    """Pieces covering ``context[split:reused]``, copied into the batch's cache."""
 
     @property
     def num_new(self) -> int:
         return len(self.context) - self.reused
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One row of a forward pass: its levels, its own part, its new tokens, and the rows it yields."""
+
+    context: tuple[int, ...]
+    reused: int
+    levels: tuple[Piece, ...]
+    own: tuple[Piece, ...]
+    """Pieces covering ``context[split:reused]``, copied into the pass's block."""
+    reads: tuple[tuple[int, int], ...]
+    """``(output index, new-token position)``: the batch rows this row's logits give."""
+
+    @property
+    def num_new(self) -> int:
+        return len(self.context) - self.reused
+
+    @property
+    def split(self) -> int:
+        """Tokens read as levels."""
+        return sum(n for _, n in self.levels)
 
     @property
     def num_own_past(self) -> int:
@@ -86,29 +112,163 @@ class Row:
         return self.levels[-1][0] if self.levels else None
 
 
-def plan_in_place(rows: list[Row]) -> None:
-    """Layout for rows extending their own entries in place: the entries' parents are the levels."""
-    for row in rows:
-        entry = row.entry
-        assert entry is not None  # extendable_block checked every row
-        row.split = entry.offset
-        row.levels = entry.parent.pieces(entry.offset) if entry.parent is not None else []
-        row.own = []
+@dataclass(frozen=True)
+class PassPlan:
+    """One forward pass: its rows, the slot its new tokens start at, and the block it writes.
+
+    ``extends`` is the block written in place (a one-token step), or
+    ``None``: a new block of ``num_past + num_new`` slots (and spare ones)
+    holding each row's own part right-aligned at ``num_past``.
+    """
+
+    rows: tuple[RowPlan, ...]
+    num_past: int
+    num_new: int
+    extends: KVBlock | None
+
+    @property
+    def reads(self) -> list[tuple[int, int, int]]:
+        """``(output index, row, new-token position)`` of every batch row this pass yields."""
+        return [(index, i, at) for i, row in enumerate(self.rows) for index, at in row.reads]
+
+    def placements(self) -> list[Placement]:
+        """Where the tree finds each row's context in the pass's block (see ``KVPrefixTree.commit``)."""
+        return [
+            Placement(row.context, i, self.num_past - row.num_own_past, row.split, row.parent)
+            for i, row in enumerate(self.rows)
+        ]
 
 
-def plan_copies(rows: list[Row], policy: LevelPolicy) -> None:
-    """Layout for a new block: each row's chain split after its last level, the rest copied."""
-    chains = [row.entry.pieces(row.reused) if row.entry is not None else [] for row in rows]
+@dataclass(frozen=True)
+class BatchPlan:
+    """The passes of one batch: one-token steps together, longer computations apart."""
+
+    passes: tuple[PassPlan, ...]
+    num_outputs: int
+
+
+def plan_batch(lookups: Sequence[Lookup], policy: LevelPolicy) -> BatchPlan:
+    """The passes that compute every looked-up context, decided once from the tree as it is.
+
+    Contexts nested in a longer one's computation become reads of its row;
+    one-token steps go together and longer computations apart, so that they
+    do not pad the short ones.
+    """
+    hosts = nest(lookups)
+    passes = []
+    for group in (
+        [host for host in hosts if host[0].num_new == 1],
+        [host for host in hosts if host[0].num_new > 1],
+    ):
+        if group:
+            passes.append(_plan_pass(group, policy))
+    return BatchPlan(tuple(passes), len(lookups))
+
+
+Host = tuple[Lookup, tuple[tuple[int, int], ...]]
+"""A computed context and the ``(output index, new-token position)`` rows it yields."""
+
+
+def nest(lookups: Sequence[Lookup]) -> list[Host]:
+    """Each computed context with the reads it yields, contexts nested in another's computation folded in.
+
+    A context ``c`` is read from a longer context ``d`` of the batch when
+    ``c`` is a prefix of ``d`` and ``d``'s computation covers the position
+    after ``c`` (``d.reused <= len(c) - 1``). Only rows computing several
+    tokens can hold others, so a batch of one-token steps is left as it is
+    without comparing contexts.
+    """
+    own: list[Host] = [(lookup, ((lookup.index, lookup.num_new - 1),)) for lookup in lookups]
+    if all(lookup.num_new == 1 for lookup in lookups):
+        return own
+    order = sorted(range(len(lookups)), key=lambda i: lookups[i].context)
+    # In sorted order, the extensions of a context follow it directly: follow each chain up.
+    host = list(range(len(lookups)))
+    for a, b in itertools.pairwise(reversed(order)):  # b comes before a in sorted order
+        shorter, longer = lookups[b].context, lookups[a].context
+        if len(shorter) < len(longer) and longer[: len(shorter)] == shorter:
+            host[b] = host[a]
+    reads: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(lookups))}
+    for i, lookup in enumerate(lookups):
+        target = lookups[host[i]]
+        at = len(lookup.context) - 1 - target.reused
+        reads[host[i] if at >= 0 else i].append(
+            (lookup.index, at if at >= 0 else lookup.num_new - 1)
+        )
+    return [(lookups[i], tuple(found)) for i, found in reads.items() if found]
+
+
+def _plan_pass(hosts: list[Host], policy: LevelPolicy) -> PassPlan:
+    num_new = max(lookup.num_new for lookup, _ in hosts)
+    block = (
+        extendable_block([(lookup.entry, lookup.reused) for lookup, _ in hosts])
+        if num_new == 1
+        else None
+    )
+    if block is not None:
+        rows = tuple(_in_place_row(lookup, found) for lookup, found in hosts)
+        first = hosts[0][0].entry
+        assert first is not None  # an extendable block is some row's entry's
+        return PassPlan(rows, first.start + first.length, 1, block)
+    rows = _copied_rows(hosts, policy)
+    return PassPlan(rows, max(row.num_own_past for row in rows), num_new, None)
+
+
+def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...]) -> RowPlan:
+    """A row extending its own entry in place: the entry's ancestors are its levels."""
+    entry = lookup.entry
+    assert entry is not None  # extendable_block checked every row
+    levels = tuple(entry.parent.pieces(entry.offset)) if entry.parent is not None else ()
+    return RowPlan(lookup.context, lookup.reused, levels, (), reads)
+
+
+def _copied_rows(hosts: list[Host], policy: LevelPolicy) -> tuple[RowPlan, ...]:
+    """Rows of a new block: each chain split after its last level, the rest copied."""
+    chains = [
+        lookup.entry.pieces(lookup.reused) if lookup.entry is not None and lookup.reused else []
+        for lookup, _ in hosts
+    ]
     readers = Counter((id(entry), n) for chain in chains for entry, n in chain)
-    for row, chain in zip(rows, chains):
+    rows = []
+    for (lookup, found), chain in zip(hosts, chains):
         num_levels = 0
         if policy.enabled:
             for i, (entry, n) in enumerate(chain):
                 shared = readers[id(entry), n] > 1
                 if n >= (policy.min_shared_tokens if shared else policy.min_unshared_tokens):
                     num_levels = i + 1
-        row.levels, row.own = chain[:num_levels], chain[num_levels:]
-        row.split = sum(n for _, n in row.levels)
+        levels, own = tuple(chain[:num_levels]), tuple(chain[num_levels:])
+        rows.append(RowPlan(lookup.context, lookup.reused, levels, own, found))
+    return tuple(rows)
+
+
+def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
+    """The block a batch of one-token steps may write into in place, or ``None``.
+
+    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
+    row ``i`` extends, by one token, the whole context of an entry held
+    by row ``i`` of one block; those entries' spans all end at the same
+    slot, which is their row's last written slot (so the slot written now
+    belongs to no other entry), and a free slot is left. That is the SMC
+    step without resampling; anything else is copied into a new block.
+    """
+    first = steps[0][0] if steps else None
+    if first is None:
+        return None
+    block, end = first.block, first.start + first.length
+    if block.num_rows != len(steps) or end >= block.num_slots:
+        return None
+    for i, (entry, reused) in enumerate(steps):
+        if (
+            entry is None
+            or entry.block is not block
+            or entry.row != i
+            or reused != entry.context_length
+            or entry.start + entry.length != end
+            or block.row_ends[i] != end
+        ):
+            return None
+    return block
 
 
 def shared_uncached_prefixes(
@@ -140,8 +300,11 @@ def shared_uncached_prefixes(
     return rounds
 
 
-def group_levels(rows: list[Row], device: torch.device) -> list[Level]:
-    """The distinct levels of a batch, each with the rows that read it."""
+# ---------------------------------------------------------------------- a pass's tensors
+
+
+def group_levels(rows: Sequence[RowPlan], device: torch.device) -> list[Level]:
+    """The distinct levels of a pass, each with the rows that read it."""
     readers: dict[tuple[int, int], tuple[KVEntry, int, list[int]]] = {}
     for i, row in enumerate(rows):
         for entry, n in row.levels:
@@ -158,8 +321,8 @@ def group_levels(rows: list[Row], device: torch.device) -> list[Level]:
     ]
 
 
-def copy_own_parts(rows: list[Row], num_past: int, block: KVBlock) -> None:
-    """Copy each row's own pieces into ``block``'s rows, right-aligned at slot ``num_past``.
+def copy_own_parts(plan: PassPlan, block: KVBlock) -> None:
+    """Copy each row's own pieces into ``block``'s rows, right-aligned at slot ``plan.num_past``.
 
     Rows whose pieces sit at the same slots of the same block, bound for the
     same slots, go in one indexed copy of every layer at once: in an SMC step
@@ -167,8 +330,8 @@ def copy_own_parts(rows: list[Row], num_past: int, block: KVBlock) -> None:
     copy.
     """
     groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
-    for i, row in enumerate(rows):
-        target = num_past - row.num_own_past
+    for i, row in enumerate(plan.rows):
+        target = plan.num_past - row.num_own_past
         for entry, n in row.own:
             key = (id(entry.block), entry.start, n, target)
             group = groups.setdefault(key, (entry.block, entry.start, n, target, [], []))
@@ -188,36 +351,35 @@ def copy_own_parts(rows: list[Row], num_past: int, block: KVBlock) -> None:
 
 
 def inputs(
-    rows: list[Row], num_new: int, max_positions: int, device: torch.device
+    plan: PassPlan, max_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``position_ids`` ``[B, num_new]``: each row's new tokens at its own positions.
 
     Built as Python lists and made tensors once: tensor operations per row
     would cost a batch of 64 particles hundreds of small operations.
     """
-    input_ids = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in rows]
-    position_ids = [_positions(row.reused, num_new, max_positions) for row in rows]
+    num_new = plan.num_new
+    input_ids = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
+    position_ids = [positions(row.reused, num_new, max_positions) for row in plan.rows]
     return (
         torch.tensor(input_ids, dtype=torch.long).to(device),
         torch.tensor(position_ids, dtype=torch.long).to(device),
     )
 
 
-def _positions(first: int, count: int, max_positions: int) -> list[int]:
+def positions(first: int, count: int, max_positions: int) -> list[int]:
     """``first, first + 1, ...`` (``count`` of them), held at the model's last position past it (padding)."""
     end = max(first, min(first + count, max_positions))
     return [*range(first, end), *[max_positions - 1] * (first + count - end)]
 
 
-def own_part_mask(
-    rows: list[Row], num_past: int, num_new: int, num_slots: int, dtype: torch.dtype, device
-) -> torch.Tensor:
+def own_part_mask(plan: PassPlan, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its own past and its causal new tokens."""
     slots = torch.arange(num_slots)
-    queries = torch.arange(num_new)[:, None] + num_past  # slot of each query
-    first = torch.tensor([num_past - row.num_own_past for row in rows])[:, None, None]
+    queries = torch.arange(plan.num_new)[:, None] + plan.num_past  # slot of each query
+    first = torch.tensor([plan.num_past - row.num_own_past for row in plan.rows])[:, None, None]
     visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
-    mask = torch.zeros(len(rows), 1, num_new, num_slots, dtype=dtype)
+    mask = torch.zeros(len(plan.rows), 1, plan.num_new, num_slots, dtype=dtype)
     mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
     return mask.to(device)
 

@@ -36,8 +36,8 @@ from genlm_backend.llm.hf.compat import (
     max_positions,
     shared_levels_unsupported,
 )
-from genlm_backend.llm.hf.kv_tree import KVBlock, KVPrefixTree, Placement
-from genlm_backend.llm.hf.plan import LevelPolicy, Row
+from genlm_backend.llm.hf.kv_tree import KVBlock, KVPrefixTree
+from genlm_backend.llm.hf.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
 
 
@@ -140,93 +140,85 @@ class HFRunner:
         """Log-probabilities of the next token after each context, keys/values kept under ``namespace``.
 
         Runs the model as it is (activating an adapter is :meth:`run`'s job).
+        Several contexts sharing a long prefix not cached yet get it computed
+        once first, as a batch of its own; then the batch is planned once
+        (:func:`~genlm_backend.llm.hf.plan.plan_batch`) and executed.
 
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
         """
-        rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+        lookups = self._lookup(contexts, namespace)
         if self.level_policy.enabled:
-            # Several contexts that share a prefix not cached yet: compute it once first.
-            rounds = layout.shared_uncached_prefixes(
-                [row.context for row in rows if row.num_new > self.level_policy.min_prefill_tokens],
-                lambda prefix: self.kv_tree.cached_length(prefix, namespace),
-                self.level_policy.min_prefill_tokens,
-            )
+            rounds = self._prefill_rounds(lookups, namespace)
             for prefixes in rounds:
-                self._compute(
-                    [self._plan(i, p, namespace) for i, p in enumerate(prefixes)], namespace
-                )
-            if rounds:
-                rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
-        return self._compute(rows, namespace)
+                self._execute(self._plan(self._lookup(prefixes, namespace)), namespace)
+            if rounds:  # the tree changed: look again
+                lookups = self._lookup(contexts, namespace)
+        return self._execute(self._plan(lookups), namespace)
 
-    def _compute(self, rows: list[Row], namespace: Hashable) -> torch.Tensor:
+    def _lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
+        found = []
+        for i, context in enumerate(contexts):
+            entry, shared = self.kv_tree.longest_prefix(context, namespace)
+            reused = min(shared, len(context) - 1)  # the last token must run to give logits
+            found.append(Lookup(i, context, entry if reused > 0 else None, reused))
+        return found
+
+    def _plan(self, lookups: list[Lookup]) -> BatchPlan:
+        return plan_batch(lookups, self.level_policy)
+
+    def _prefill_rounds(self, lookups: list[Lookup], namespace: Hashable) -> list:
+        """Prefixes shared by several contexts with many uncached tokens, to compute first."""
+        min_tokens = self.level_policy.min_prefill_tokens
+        # Contexts read from a longer one's pass share its computation already.
+        hosts = [lookup for lookup, _ in layout.nest(lookups)]
+        return layout.shared_uncached_prefixes(
+            [lookup.context for lookup in hosts if lookup.num_new > min_tokens],
+            lambda prefix: self.kv_tree.cached_length(prefix, namespace),
+            min_tokens,
+        )
+
+    def _execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
+        """Run the plan's passes; their keys/values enter the tree once every pass succeeded."""
         out = None
-        # Rows extending a cached context by one token (the SMC step) go together;
-        # longer computations are batched apart so they do not pad the short ones.
         computed = []
-        for group in (
-            [row for row in rows if row.num_new == 1],
-            [row for row in rows if row.num_new > 1],
-        ):
-            if group:
-                logprobs, block, num_past = self._forward(group)
-                if len(group) == len(rows):  # every row, in order
-                    out = logprobs
-                else:
-                    if out is None:
-                        out = logprobs.new_empty(len(rows), self.vocab_size)
-                    out[[row.index for row in group]] = logprobs
-                computed.append((group, block, num_past))
-        # Keys/values enter the tree only once every pass succeeded: a failed batch leaves nothing.
-        for group, block, num_past in computed:
-            placements = [
-                Placement(row.context, i, num_past - row.num_own_past, row.split, row.parent)
-                for i, row in enumerate(group)
-            ]
-            self.kv_tree.commit(block, placements, namespace)
+        for pass_plan in plan.passes:
+            logprobs, block = self._forward(pass_plan)
+            indices = [index for index, _, _ in pass_plan.reads]
+            if len(indices) == plan.num_outputs and indices == sorted(indices):
+                out = logprobs  # every row, in order
+            else:
+                if out is None:
+                    out = logprobs.new_empty(plan.num_outputs, self.vocab_size)
+                out[indices] = logprobs
+            computed.append((pass_plan, block))
+        # A failed pass leaves nothing in the tree.
+        for pass_plan, block in computed:
+            self.kv_tree.commit(block, pass_plan.placements(), namespace)
         assert out is not None, "a batch has at least one row"
         return out
 
-    def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> Row:
-        entry, shared = self.kv_tree.longest_prefix(context, namespace)
-        reused = min(shared, len(context) - 1)  # the last token must run to give logits
-        return Row(index, context, entry if reused > 0 else None, reused)
-
-    def _forward(self, rows: list[Row]) -> tuple[torch.Tensor, KVBlock, int]:
-        num_new = max(row.num_new for row in rows)
-        block = (
-            self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows])
-            if num_new == 1
-            else None
-        )
-        if block is not None:
-            layout.plan_in_place(rows)
-            first = rows[0].entry
-            assert first is not None  # an extendable block is some row's entry's
-            num_past = first.start + first.length  # the slot every new token goes to
-        else:
-            layout.plan_copies(rows, self.level_policy)
-            num_past = max(row.num_own_past for row in rows)
-            block = self._block_with_pasts(rows, num_past, num_new)
-        cache = self._cache_over(block, num_past)
-        input_ids, position_ids = layout.inputs(rows, num_new, self._max_positions, self.device)
-        mask = layout.own_part_mask(
-            rows, num_past, num_new, block.num_slots, self.model.dtype, self.device
-        )
-        levels = layout.group_levels(rows, self.device)
+    def _forward(self, plan: PassPlan) -> tuple[torch.Tensor, KVBlock]:
+        """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
+        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
+        cache = self._cache_over(block, plan.num_past)
+        input_ids, position_ids = layout.inputs(plan, self._max_positions, self.device)
+        mask = layout.own_part_mask(plan, block.num_slots, self.model.dtype, self.device)
+        levels = layout.group_levels(plan.rows, self.device)
         # Nothing cached, no padding: the mask is plain causal, which the fused
         # kernels apply without reading it, skipping the hidden half (a prompt's prefill).
         is_causal = (
             not levels
-            and num_past == 0
-            and block.num_slots == num_new
-            and all(row.num_new == num_new for row in rows)
+            and plan.num_past == 0
+            and block.num_slots == plan.num_new
+            and all(row.num_new == plan.num_new for row in plan.rows)
         )
-        last = torch.tensor([row.num_new - 1 for row in rows], device=self.device)
+        reads = plan.reads
+        rows = torch.tensor([row for _, row, _ in reads], device=self.device)
+        positions = torch.tensor([at for _, _, at in reads], device=self.device)
         with (
             grouped_kv_attention(self.model),
-            head_sees_only(self.model, last if num_new > 1 else None),
+            head_sees_only(self.model, (rows, positions) if plan.num_new > 1 else None),
         ):
             output = self.model(
                 input_ids=input_ids,
@@ -234,40 +226,40 @@ class HFRunner:
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=max(1, num_new),
+                logits_to_keep=plan.num_new,
                 **({"genlm_cascade": Cascade(levels)} if levels else {}),
                 **({"genlm_causal": True} if is_causal else {}),
             )
-        # logits: [B, 1, V_model] (or [B, num_new, V_model] for a head the hook cannot reach)
+        # logits: [N, 1, V_model] per read, [B, 1, V_model] for one-token steps,
+        # or [B, num_new, V_model] for a head the hook cannot reach
         logits = (
-            output.logits[:, 0]
-            if output.logits.shape[1] == 1
-            else output.logits[torch.arange(len(rows), device=self.device), last]
+            output.logits[:, 0] if output.logits.shape[1] == 1 else output.logits[rows, positions]
         )
-        self.num_tokens_computed += sum(row.num_new for row in rows)
-        return fit_to_vocab(logits, self.vocab_size), block, num_past
+        self.num_tokens_computed += sum(row.num_new for row in plan.rows)
+        return fit_to_vocab(logits, self.vocab_size), block
 
-    def _block_with_pasts(self, rows: list[Row], num_past: int, num_new: int) -> KVBlock:
+    def _block_with_pasts(self, plan: PassPlan) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
-        # One-token steps get spare slots, so the next steps can write in place (see KVPrefixTree.extendable_block).
+        num_past, num_new = plan.num_past, plan.num_new
+        # One-token steps get spare slots, so the next steps can write in place (see plan.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
         num_layers = self._static_cache.num_layers
         num_kv_heads, head_dim = kv_shape(self.model.config)
-        shape = (len(rows), num_kv_heads, num_slots, head_dim)
+        shape = (len(plan.rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
             cache_nbytes(
-                num_layers, len(rows), num_kv_heads, num_slots, head_dim, self.model.dtype
+                num_layers, len(plan.rows), num_kv_heads, num_slots, head_dim, self.model.dtype
             ),
-            pinned=[entry for row in rows for entry, _ in row.levels + row.own],
+            pinned=[entry for row in plan.rows for entry, _ in row.levels + row.own],
         )
         block = KVBlock.empty(num_layers, shape, self.model.dtype, self.device)
-        layout.copy_own_parts(rows, num_past, block)
+        layout.copy_own_parts(plan, block)
         # Every slot is written above or by the forward pass itself; only the left
         # padding is zeroed (masked, but it must not hold NaN bit patterns), and the
         # spare slots (masked, but read by attention). One operation each for all layers.
         slots = block.stacked  # [L, 2, B, H, T, D]
-        for i, row in enumerate(rows):
+        for i, row in enumerate(plan.rows):
             if row.num_own_past < num_past:
                 slots[:, :, i, :, : num_past - row.num_own_past].zero_()
         if num_past + num_new < num_slots:
