@@ -28,7 +28,7 @@ from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.adapters import AdapterRegistry
 from genlm_backend.llm.core import LMCore
-from genlm_backend.llm.runner import Request, Runner
+from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
     make_generator,
@@ -130,11 +130,13 @@ class AsyncLM:
         )
         if runner is not None:
             self.runner = runner
-        self._batchers: LoopBatchers[Request, torch.Tensor | ValueError] = LoopBatchers(
-            self._core.compute,
-            self.batching,
-            request_tokens=self._core.request_tokens,
-            thread_name="genlm-model",
+        self._batchers: LoopBatchers[Request | ScoreRequest, torch.Tensor | ValueError] = (
+            LoopBatchers(
+                self._core.compute,
+                self.batching,
+                request_tokens=self._core.request_tokens,
+                thread_name="genlm-model",
+            )
         )
 
     # ------------------------------------------------------------------ properties
@@ -269,6 +271,79 @@ class AsyncLM:
         Optional: every evaluated context is cached anyway.
         """
         self.next_token_logprobs_sync(prompt_tokens, lora_name)
+
+    # ------------------------------------------------------------------ scoring
+
+    async def continuation_logprobs(
+        self, context: TokenIds, continuation: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The log-probability of each token of ``continuation`` after ``context``.
+
+        Entry ``i`` is ``log p(continuation[i] | context + continuation[:i])``;
+        ``.sum()`` is lm-evaluation-harness's ``loglikelihood(context,
+        continuation)``. Equal to gathering from :meth:`next_token_logprobs`
+        of each prefix, without computing or returning those rows where the
+        backend can (transformers: one forward pass over the continuation,
+        the context's keys/values reused). Batched with concurrent requests.
+
+        Returns:
+            ``float32`` tensor ``[len(continuation)]`` on :attr:`device`.
+
+        Raises:
+            TypeError, ValueError: an invalid or empty context or continuation,
+                ids outside the vocabulary, both together longer than
+                :attr:`max_context_length`, or an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        (request,) = self._core.score_requests(context, [continuation], lora_name, None)
+        return (await self._submit_score(request)).clone()
+
+    async def batch_continuation_logprobs(
+        self,
+        context: TokenIds,
+        continuations: Sequence[TokenIds],
+        lora_name: str | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`continuation_logprobs` of several continuations of one context, computed together.
+
+        Every continuation is validated before any is computed; the context's
+        keys/values are computed once and shared.
+        """
+        requests = self._core.score_requests(
+            context, as_list_of_contexts(continuations), lora_name, "continuations"
+        )
+        scores = await asyncio.gather(*map(self._submit_score, requests))
+        return [row.clone() for row in scores]
+
+    def continuation_logprobs_sync(
+        self, context: TokenIds, continuation: TokenIds, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking :meth:`continuation_logprobs`, computed in the calling thread."""
+        requests = self._core.score_requests(context, [continuation], lora_name, None)
+        return self._core.score_now(requests)[0].to(self.device)
+
+    def batch_continuation_logprobs_sync(
+        self,
+        context: TokenIds,
+        continuations: Sequence[TokenIds],
+        lora_name: str | None = None,
+    ) -> list[torch.Tensor]:
+        """Blocking :meth:`batch_continuation_logprobs`, computed in the calling thread."""
+        requests = self._core.score_requests(
+            context, as_list_of_contexts(continuations), lora_name, "continuations"
+        )
+        return [scores.to(self.device) for scores in self._core.score_now(requests)]
+
+    async def _submit_score(self, request: ScoreRequest) -> torch.Tensor:
+        try:
+            scores = await self._batchers.current().submit(request)
+        except Exception as exc:
+            if self._core.is_closed and not isinstance(exc, BackendClosedError):
+                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
+            raise
+        if isinstance(scores, ValueError):
+            raise scores
+        return scores.to(self.device)
 
     # ------------------------------------------------------------------ sampling
 

@@ -18,9 +18,9 @@ from genlm_backend.batching import BatchingConfig
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.adapters import AdapterRegistry
-from genlm_backend.llm.runner import Adapter, Request, Runner
+from genlm_backend.llm.runner import Adapter, Request, Runner, ScoreRequest
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.llm.validation import TokenIds, validate_contexts
+from genlm_backend.llm.validation import TokenIds, validate_contexts, validate_continuation
 
 
 class LMCore:
@@ -80,8 +80,48 @@ class LMCore:
         self._num_tokens_requested += sum(map(len, contexts))
         return [Request(adapter, context) for context in contexts]
 
-    def request_tokens(self, request: Request) -> int:
+    def score_requests(
+        self,
+        context: TokenIds,
+        continuations: list[TokenIds],
+        lora_name: str | None,
+        argument: str | None,
+    ) -> list[ScoreRequest]:
+        """Validate a context, its continuations and the adapter, then count them.
+
+        Errors name ``argument[i]``, the bad continuation's index (or just
+        the continuation when ``argument`` is ``None``).
+
+        Raises:
+            TypeError, ValueError: a bad context or continuation (empty, ids
+                outside the vocabulary, too long together) or an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        self.check_open()
+        adapter = self.adapters.resolve(lora_name)
+        prefix = validate_continuation(context, self.vocab_size, "context")
+        requests = []
+        for i, continuation in enumerate(continuations):
+            name = "continuation" if argument is None else f"{argument}[{i}]"
+            tokens = validate_continuation(continuation, self.vocab_size, name)
+            if (
+                self.max_context_length is not None
+                and len(prefix) + len(tokens) > self.max_context_length
+            ):
+                raise ValueError(
+                    f"context and {name} hold {len(prefix) + len(tokens)} tokens together, "
+                    f"more than the model's context of {self.max_context_length}"
+                )
+            requests.append(ScoreRequest(adapter, prefix, tokens))
+        self._num_requests += len(requests)
+        self._num_tokens_requested += sum(len(r.context) + len(r.continuation) for r in requests)
+        return requests
+
+    def request_tokens(self, request: Request | ScoreRequest) -> int:
         """A request's cost against the batch token budget (the runner's estimate)."""
+        if isinstance(request, ScoreRequest):
+            full = Request(request.adapter, request.context + request.continuation)
+            return self.runner.request_tokens(full)
         return self.runner.request_tokens(request)
 
     def check_open(self) -> None:
@@ -98,8 +138,8 @@ class LMCore:
 
     # ------------------------------------------------------------------ computing
 
-    def compute(self, requests: list[Request]) -> list[torch.Tensor | ValueError]:
-        """Compute distinct requests (of one adapter or several) and fill the output cache.
+    def compute(self, requests: list[Request | ScoreRequest]) -> list[torch.Tensor | ValueError]:
+        """Compute distinct requests (rows and scores, of one adapter or several); rows fill the output cache.
 
         A request whose adapter was removed or re-registered since the call is
         not computed: its slot holds the ``ValueError`` its caller gets.
@@ -107,15 +147,36 @@ class LMCore:
         with self.lock:
             self.check_open()
             current = [request for request in requests if self.adapters.is_current(request.adapter)]
-            rows = dict(zip(current, self.runner.run(current).unbind(0))) if current else {}
+            rows = [request for request in current if isinstance(request, Request)]
+            scores = [request for request in current if isinstance(request, ScoreRequest)]
+            results: dict[Request | ScoreRequest, torch.Tensor] = {}
+            if rows:
+                results.update(zip(rows, self.runner.run(rows).unbind(0)))
+            if scores:
+                results.update(zip(scores, self.runner.score(scores)))
             self._num_batches += 1
             self._num_contexts_computed += len(current)
-            for request, row in rows.items():
-                self.output_cache.put(request, row)
+            for request in rows:
+                self.output_cache.put(request, results[request])
         return [
-            rows[request] if request in rows else _replaced_adapter_error(request)
+            results[request] if request in results else _replaced_adapter_error(request)
             for request in requests
         ]
+
+    def score_now(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores computed in the calling thread, in model batches within the token budget.
+
+        Raises:
+            ValueError: a request's adapter was replaced meanwhile.
+        """
+        results: dict[ScoreRequest, torch.Tensor] = {}
+        distinct = list(dict.fromkeys(requests))
+        for chunk in self.batching.split(distinct, self.request_tokens):
+            for request, scores in zip(chunk, self.compute(list(chunk))):
+                if isinstance(scores, ValueError):
+                    raise scores
+                results[request] = scores
+        return [results[request].clone() for request in requests]
 
     def compute_now(self, requests: Sequence[Request]) -> torch.Tensor:
         """``[len(requests), V]`` rows computed in the calling thread: cached rows, then model batches.
@@ -130,7 +191,7 @@ class LMCore:
                 rows[request] = cached
         missing = [request for request in dict.fromkeys(requests) if request not in rows]
         for chunk in self.batching.split(missing, self.request_tokens):
-            for request, row in zip(chunk, self.compute(chunk)):
+            for request, row in zip(chunk, self.compute(list(chunk))):
                 if isinstance(row, ValueError):
                     raise row
                 rows[request] = row
@@ -203,7 +264,7 @@ class LMCore:
         )
 
 
-def _replaced_adapter_error(request: Request) -> ValueError:
+def _replaced_adapter_error(request: Request | ScoreRequest) -> ValueError:
     # adapter None is the base model, which is never replaced; named for completeness
     name = request.adapter.name if request.adapter is not None else None
     return ValueError(

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
 from genlm_backend.models import load_tokenizer_by_name
 
 
@@ -41,6 +41,10 @@ class MockRunner:
         rows = [self._logits(request) for request in requests]
         self.num_tokens_computed += sum(len(request.context) for request in requests)
         return torch.log_softmax(torch.stack(rows), dim=-1).to(self.device)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores gathered from the rows of each continuation's prefixes."""
+        return score_from_rows(self.run, requests)
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         return torch.log_softmax(self._logits(request), dim=-1).to(self.device)

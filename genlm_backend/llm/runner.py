@@ -10,7 +10,7 @@ lives once in ``AsyncLM``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +56,34 @@ class Request:
 
 
 @dataclass(frozen=True)
+class ScoreRequest:
+    """A scoring request: the log-probability of each token of ``continuation`` after ``context``.
+
+    Token ``i``'s log-probability is that of ``continuation[i]`` after
+    ``context + continuation[:i]``, under ``adapter`` (``None``: the base model).
+    """
+
+    adapter: Adapter | None
+    context: tuple[int, ...]
+    continuation: tuple[int, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.adapter, self.context, self.continuation)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return type(self), (self.adapter, self.context, self.continuation)
+
+    def prefixes(self) -> list[Request]:
+        """The next-token requests whose rows hold this request's scores, in order."""
+        full = self.context + self.continuation
+        return [Request(self.adapter, full[:end]) for end in range(len(self.context), len(full))]
+
+
+@dataclass(frozen=True)
 class RunnerStats:
     """What a runner reports to :class:`~genlm_backend.llm.base.LMStats`."""
 
@@ -82,6 +110,13 @@ class Runner(Protocol):
         """A request's cost against the batch token budget (at least 1).
 
         Called from the event loop while a batch may run: an estimate is fine.
+        """
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Each (distinct) request's continuation scored: ``float32`` ``[len(continuation)]`` each.
+
+        Raises:
+            ValueError: a request's adapter is not (or no longer) loaded.
         """
 
     def run_uncached(self, request: Request) -> torch.Tensor:
@@ -122,9 +157,32 @@ def fit_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def group_by_adapter(requests: Sequence[Request]) -> dict[Adapter | None, list[int]]:
+def group_by_adapter(
+    requests: Sequence[Request | ScoreRequest],
+) -> dict[Adapter | None, list[int]]:
     """Positions of the requests of each adapter, adapters in order of first appearance."""
     groups: dict[Adapter | None, list[int]] = {}
     for position, request in enumerate(requests):
         groups.setdefault(request.adapter, []).append(position)
     return groups
+
+
+def score_from_rows(
+    run: Callable[[Sequence[Request]], torch.Tensor], requests: Sequence[ScoreRequest]
+) -> list[torch.Tensor]:
+    """Scores gathered from next-token rows, one row per prefix: for runners without a scoring path of their own.
+
+    ``run`` is the runner's :meth:`Runner.run`; prefixes shared by several
+    requests are computed once.
+    """
+    prefixes = [request.prefixes() for request in requests]
+    distinct = list(dict.fromkeys(request for group in prefixes for request in group))
+    position = {request: i for i, request in enumerate(distinct)}
+    rows = run(distinct)  # [P, V]
+    return [
+        rows[
+            torch.tensor([position[prefix] for prefix in group]),
+            torch.tensor(request.continuation),
+        ]
+        for request, group in zip(requests, prefixes)
+    ]

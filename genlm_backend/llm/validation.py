@@ -98,6 +98,18 @@ def validate_contexts(
     return contexts
 
 
+def validate_continuation(tokens: TokenIds, vocab_size: int, name: str) -> tuple[int, ...]:
+    """Check one continuation to score (as :func:`validate_token_ids`) and return it as a tuple.
+
+    Raises:
+        TypeError, ValueError: as :func:`validate_token_ids`, naming ``name``.
+    """
+    try:
+        return validate_token_ids(tokens, vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
 def _plain_ids_in_range(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...] | None:
     """``token_ids`` as a tuple if it is a non-empty list or tuple of plain ``int``\\ s in
     ``[0, vocab_size)``; ``None`` otherwise (the caller's general path then names the problem).

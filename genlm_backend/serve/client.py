@@ -25,7 +25,7 @@ from genlm_backend.errors import (
     ServerUnavailableError,
 )
 from genlm_backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
 from genlm_backend.llm.stats import LMStats
 from genlm_backend.serve import protocol
 from genlm_backend.serve.app import ServeStats
@@ -90,6 +90,10 @@ class RemoteRunner:
     def request_tokens(self, request: Request) -> int:
         """A request's cost against the batch token budget: its context length."""
         return len(request.context)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores gathered from the rows of each continuation's prefixes."""
+        return score_from_rows(self.run, requests)
 
     def fetch_info(self) -> dict:
         """The server's ``/v1/info`` map; remembers its model id (checked on every later answer)."""

@@ -148,13 +148,19 @@ class BatchPlan:
 
 
 def plan_batch(lookups: Sequence[Lookup], policy: LevelPolicy) -> BatchPlan:
-    """The passes that compute every looked-up context, decided once from the tree as it is.
+    """The passes that compute every looked-up context's next-token row, decided once from the tree as it is.
 
-    Contexts nested in a longer one's computation become reads of its row;
-    one-token steps go together and longer computations apart, so that they
+    Contexts nested in a longer one's computation become reads of its row.
+    """
+    return plan_hosts(nest(lookups), len(lookups), policy)
+
+
+def plan_hosts(hosts: Sequence[Host], num_outputs: int, policy: LevelPolicy) -> BatchPlan:
+    """The passes that compute ``hosts``, each yielding its reads (``num_outputs`` rows in all).
+
+    One-token steps go together and longer computations apart, so that they
     do not pad the short ones.
     """
-    hosts = nest(lookups)
     passes = []
     for group in (
         [host for host in hosts if host[0].num_new == 1],
@@ -162,7 +168,7 @@ def plan_batch(lookups: Sequence[Lookup], policy: LevelPolicy) -> BatchPlan:
     ):
         if group:
             passes.append(_plan_pass(group, policy))
-    return BatchPlan(tuple(passes), len(lookups))
+    return BatchPlan(tuple(passes), num_outputs)
 
 
 Host = tuple[Lookup, tuple[tuple[int, int], ...]]
@@ -198,7 +204,7 @@ def nest(lookups: Sequence[Lookup]) -> list[Host]:
     return [(lookups[i], tuple(found)) for i, found in reads.items() if found]
 
 
-def _plan_pass(hosts: list[Host], policy: LevelPolicy) -> PassPlan:
+def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
     num_new = max(lookup.num_new for lookup, _ in hosts)
     block = (
         extendable_block([(lookup.entry, lookup.reused) for lookup, _ in hosts])
@@ -222,7 +228,7 @@ def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...]) -> RowPlan
     return RowPlan(lookup.context, lookup.reused, levels, (), reads)
 
 
-def _copied_rows(hosts: list[Host], policy: LevelPolicy) -> tuple[RowPlan, ...]:
+def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, ...]:
     """Rows of a new block: each chain split after its last level, the rest copied."""
     chains = [
         lookup.entry.pieces(lookup.reused) if lookup.entry is not None and lookup.reused else []

@@ -19,6 +19,7 @@ is not cached yet get that prefix computed once first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -38,7 +39,14 @@ from genlm_backend.llm.hf.compat import (
 )
 from genlm_backend.llm.hf.kv_tree import KVBlock, KVPrefixTree
 from genlm_backend.llm.hf.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
+from genlm_backend.llm.runner import (
+    Adapter,
+    Request,
+    RunnerStats,
+    ScoreRequest,
+    fit_to_vocab,
+    group_by_adapter,
+)
 
 
 class HFRunner:
@@ -111,6 +119,52 @@ class HFRunner:
                     [requests[i].context for i in positions], namespace=adapter
                 )
         return out
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Each continuation scored from one forward pass over it, its context's keys/values reused."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(requests)
+        for adapter, positions in group_by_adapter(requests).items():
+            with self.adapters.active(adapter):
+                scores = self.score_continuations(
+                    [(requests[i].context, requests[i].continuation) for i in positions],
+                    namespace=adapter,
+                )
+            for i, found in zip(positions, scores):
+                out[i] = found
+        return out
+
+    @torch.inference_mode()
+    def score_continuations(
+        self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], namespace: Hashable = None
+    ) -> list[torch.Tensor]:
+        """``float32`` ``[len(continuation)]`` per ``(context, continuation)``: each token's log-probability.
+
+        Each pair is one row computing ``context[-1:] + continuation[:-1]``
+        past the longest cached prefix (at most ``context[:-1]``), its logits
+        read at every one of those positions; a long prefix the rows share
+        and the tree lacks is computed once first. The keys/values of every
+        row enter the tree, as for next-token requests.
+        """
+        fulls = [context + continuation for context, continuation in pairs]
+        if self.level_policy.enabled:
+            for prefixes in self._prefill_rounds(self._lookup(fulls, namespace), namespace):
+                self._execute(self._plan(self._lookup(prefixes, namespace)), namespace)
+        hosts, offsets = [], [0]
+        for i, (context, continuation) in enumerate(pairs):
+            entry, shared = self.kv_tree.longest_prefix(fulls[i], namespace)
+            reused = min(shared, len(context) - 1)
+            lookup = Lookup(i, fulls[i], entry if reused > 0 else None, reused)
+            first = len(context) - 1 - reused  # the new-token position predicting continuation[0]
+            reads = tuple((offsets[-1] + k, first + k) for k in range(len(continuation)))
+            hosts.append((lookup, reads))
+            offsets.append(offsets[-1] + len(continuation))
+        plan = layout.plan_hosts(hosts, offsets[-1], self.level_policy)
+        rows = self._execute(plan, namespace)  # [sum of lengths, vocab_size]
+        targets = torch.tensor(
+            [t for _, continuation in pairs for t in continuation], device=rows.device
+        )
+        scores = rows.gather(1, targets[:, None])[:, 0].cpu()
+        return [scores[a:b] for a, b in itertools.pairwise(offsets)]
 
     @torch.inference_mode()
     def run_uncached(self, request: Request) -> torch.Tensor:

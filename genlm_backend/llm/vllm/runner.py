@@ -27,7 +27,14 @@ from collections.abc import Sequence
 import torch
 
 from genlm_backend.errors import CaptureError
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab
+from genlm_backend.llm.runner import (
+    Adapter,
+    Request,
+    RunnerStats,
+    ScoreRequest,
+    fit_to_vocab,
+    score_from_rows,
+)
 from genlm_backend.llm.vllm import compat as vllm_compat
 
 
@@ -81,6 +88,10 @@ class VLLMRunner:
         # max_sessions was set to 0: close any open sessions.
         self._close_sessions(self._least_recent_sessions(len(self._sessions)))
         return self._run_plain(requests)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores gathered from the rows of each continuation's prefixes."""
+        return score_from_rows(self.run, requests)
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         """One plain engine request (vLLM's prefix cache may still serve its prefix)."""
