@@ -33,6 +33,7 @@ ASSET_FIXTURES = frozenset(
         "smollm2_model",
         "tiny_gpt2",
         "tiny_llama",
+        "tiny",
         "real_tokenizer",
         "vocab_of",
     }
@@ -146,3 +147,9 @@ def tiny_gpt2(gpt2_tokenizer):
 def tiny_llama(smollm2_tokenizer):
     """(model, tokenizer): tiny random Llama over the SmolLM2 tokenizer."""
     return build_tiny_llama(len(smollm2_tokenizer)), smollm2_tokenizer
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
+def tiny(request):
+    """(model, tokenizer): each tiny random model in turn (Llama with grouped queries and RoPE, GPT-2)."""
+    return request.getfixturevalue(request.param)

@@ -26,7 +26,7 @@ from genlm_backend.llm.hf.kv_block import KVBlock
 from genlm_backend.llm.hf.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
-from tests.test_hf import assert_matches_reference, random_workload
+from tests.hf_reference import assert_matches_reference, random_workload
 
 EVERY_PIECE_A_LEVEL = LevelPolicy(min_shared_tokens=1, min_unshared_tokens=1)
 
@@ -51,11 +51,6 @@ def cuda_path(request):
     with cuda_branches(), kernels:
         yield "cpu"
     assert sum(kernels.calls.values()) > 0, "the CUDA kernels were never called"
-
-
-@pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
-def tiny(request):
-    return request.getfixturevalue(request.param)
 
 
 def attention_with_lse(

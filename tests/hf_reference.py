@@ -1,0 +1,49 @@
+"""The reference for transformers-backend tests: a plain uncached forward, and random workloads.
+
+Reference: ``log_softmax(model(full_context).logits[-1])`` in fp32, one context
+at a time, no cache. Tolerance: 1e-4 absolute on log-probabilities.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from genlm_backend.llm.hf import AsyncTransformer
+
+ATOL = 1e-4
+
+
+def reference(model, context) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(context)]), use_cache=False).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_matches_reference(llm: AsyncTransformer, context, result: torch.Tensor) -> None:
+    expected = reference(llm.model, context)[: llm.vocab_size]
+    assert result.dtype == torch.float32 and result.shape == (llm.vocab_size,)
+    torch.testing.assert_close(result, expected, atol=ATOL, rtol=0)
+
+
+def random_workload(rng: random.Random, vocab: int, num_rounds: int, per_round: int):
+    """Rounds of concurrent contexts: extensions, siblings, prefixes (deep-then-shallow) and fresh ones."""
+    seen: list[list[int]] = [[rng.randrange(vocab) for _ in range(rng.randint(3, 12))]]
+    for _ in range(num_rounds):
+        batch = []
+        for _ in range(per_round):
+            base = rng.choice(seen)
+            kind = rng.random()
+            if kind < 0.5:
+                context = base + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            elif kind < 0.7:
+                context = base[: rng.randint(1, len(base))]
+            elif kind < 0.9:
+                cut = rng.randint(1, len(base))
+                context = base[:cut] + [rng.randrange(vocab)]
+            else:
+                context = [rng.randrange(vocab) for _ in range(rng.randint(1, 15))]
+            batch.append(context)
+        seen.extend(batch)
+        yield batch
