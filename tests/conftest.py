@@ -33,7 +33,7 @@ ASSET_FIXTURES = frozenset(
         "smollm2_model",
         "tiny_gpt2",
         "tiny_llama",
-        "tiny",
+        "tiny_model",
         "real_tokenizer",
         "vocab_of",
     }
@@ -150,6 +150,6 @@ def tiny_llama(smollm2_tokenizer):
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_gpt2"])
-def tiny(request):
+def tiny_model(request):
     """(model, tokenizer): each tiny random model in turn (Llama with grouped queries and RoPE, GPT-2)."""
     return request.getfixturevalue(request.param)

@@ -17,8 +17,8 @@ from tests.hf_reference import ATOL, assert_matches_reference, random_workload, 
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-async def test_random_concurrent_workloads_match_uncached_forward(tiny, seed):
-    model, tokenizer = tiny
+async def test_random_concurrent_workloads_match_uncached_forward(tiny_model, seed):
+    model, tokenizer = tiny_model
     llm = AsyncTransformer(model, tokenizer, batch_size=6)
     rng = random.Random(seed)
     distinct: set[tuple[int, ...]] = set()

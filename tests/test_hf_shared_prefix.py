@@ -122,8 +122,8 @@ async def test_particles_arriving_together_behind_a_new_prompt_compute_it_once(t
 
 
 @pytest.mark.parametrize("resample_every", [0, 2])
-async def test_long_prompt_particles_with_resampling_match(tiny, resample_every):
-    model, tokenizer = tiny
+async def test_long_prompt_particles_with_resampling_match(tiny_model, resample_every):
+    model, tokenizer = tiny_model
     llm = particles_llm(model, tokenizer)
     prompt = [random.Random(2).randrange(2000) for _ in range(260)]
     await run_particles(llm, prompt, 6, 8, random.Random(3), resample_every=resample_every)
@@ -139,8 +139,8 @@ async def test_every_piece_a_level_deep_chains_after_resampling_match(tiny_llama
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-async def test_random_workloads_with_every_piece_a_level_match(tiny, seed):
-    model, tokenizer = tiny
+async def test_random_workloads_with_every_piece_a_level_match(tiny_model, seed):
+    model, tokenizer = tiny_model
     llm = AsyncTransformer(model, tokenizer, batch_size=6)
     llm.runner.level_policy = EVERY_PIECE_A_LEVEL
     for batch in random_workload(random.Random(seed), 2000, num_rounds=6, per_round=9):

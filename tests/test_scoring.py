@@ -35,8 +35,8 @@ def tokens(rng: random.Random, n: int, vocab: int = 2000) -> list[int]:
 
 
 @pytest.mark.parametrize("levels", [False, True])
-async def test_the_prefixes_of_a_continuation_cost_one_forward_pass(tiny, levels):
-    model, tokenizer = tiny
+async def test_the_prefixes_of_a_continuation_cost_one_forward_pass(tiny_model, levels):
+    model, tokenizer = tiny_model
     llm = AsyncTransformer(model, tokenizer)
     rng = random.Random(0)
     prompt, continuation = tokens(rng, 40), tokens(rng, 12)
@@ -68,8 +68,8 @@ async def test_nested_contexts_mixed_with_particle_steps_match(tiny_llama):
         assert_matches_reference(llm, context, row)
 
 
-async def test_continuation_logprobs_equal_gathered_uncached_rows(tiny):
-    model, tokenizer = tiny
+async def test_continuation_logprobs_equal_gathered_uncached_rows(tiny_model):
+    model, tokenizer = tiny_model
     llm = AsyncTransformer(model, tokenizer)
     rng = random.Random(2)
     context, continuation = tokens(rng, 15), tokens(rng, 10)
