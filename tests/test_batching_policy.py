@@ -14,7 +14,7 @@ import torch
 
 from genlm_backend.batching import DEFAULT_MAX_BATCH_TOKENS, BatchingConfig
 from genlm_backend.llm import MockAsyncLM
-from tests.test_batching import LONG_S, Recorder, assert_settled, bounded, make_batcher
+from tests.batching_helpers import LONG_S, Recorder, assert_settled, bounded, make_batcher
 
 VOCAB = [bytes([b]) for b in range(32)]
 TOL = 1e-6

@@ -16,7 +16,7 @@ import torch
 from genlm_backend.batching import BatchingConfig, LoopBatchers
 from genlm_backend.errors import BatcherClosedError, BatcherWorkerDiedError
 from genlm_backend.llm import MockAsyncLM
-from tests.test_batching import LONG_S, Recorder, assert_settled, bounded, make_batcher
+from tests.batching_helpers import LONG_S, Recorder, assert_settled, bounded, make_batcher
 
 
 class WorkerBug(Exception):
@@ -103,7 +103,7 @@ async def test_lm_recovers_on_the_next_request():
     llm = MockAsyncLM(byte_vocab=vocab)
     fresh = MockAsyncLM(byte_vocab=vocab, output_cache_bytes=0)
     await bounded(llm.next_token_logprobs([1]))  # creates this loop's batcher
-    kill_worker_at_next_batch(llm._batcher())
+    kill_worker_at_next_batch(llm.batchers.current())
     with pytest.raises(BatcherWorkerDiedError):
         await bounded(llm.next_token_logprobs([2, 3]))
     row = await bounded(llm.next_token_logprobs([2, 3]))

@@ -139,7 +139,7 @@ def test_tests_run_once_touch_neither_transformers_nor_a_tokenizer():
     imports transformers, a tokenizer library, peft or vLLM; none names a tokenizer, a
     model loader or a fixture holding a real asset."""
     from tests.conftest import ASSET_FIXTURES
-    from tests.test_import_layers import (
+    from tests.import_graph import (
         imported_modules,
         module_path,
         package_imports,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from genlm_backend import assets
 from genlm_backend.errors import VocabularyDecodeError
 from genlm_backend.tokenization import BYTE2STR_FALLBACKS, STR_FALLBACKS, decode_vocab
-from tests.test_tokenization import published_bytes_to_unicode
+from tests.tokenization_reference import published_bytes_to_unicode
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

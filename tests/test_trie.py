@@ -10,7 +10,6 @@ exact (of the float32-rounded weights), sum and logsumexp within 1e-5 relative.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -20,29 +19,7 @@ from hypothesis import strategies as st
 
 from genlm_backend.tokenization import Token, decode_vocab
 from genlm_backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
-
-
-def token_ids_by_prefix(vocab: list[bytes]) -> dict[bytes, np.ndarray]:
-    """Every byte prefix of every token -> the ids of the tokens that start with it."""
-    members = defaultdict(list)
-    for token_id, token in enumerate(vocab):
-        for i in range(len(token) + 1):
-            members[token[:i]].append(token_id)
-    return {prefix: np.array(ids) for prefix, ids in members.items()}
-
-
-def brute_force(members: dict[bytes, np.ndarray], prefixes: list[bytes], ws: np.ndarray):
-    """(sum, max, logsumexp) over the tokens under each prefix, in float64."""
-    sums, maxima, logsumexps = [], [], []
-    for prefix in prefixes:
-        w = ws[members[prefix]]
-        sums.append(math.fsum(w))
-        top = w.max()
-        maxima.append(top)
-        shift = top if np.isfinite(top) else 0.0
-        total = math.fsum(np.exp(w - shift))
-        logsumexps.append(shift + math.log(total) if top > -np.inf else -np.inf)
-    return np.array(sums), np.array(maxima), np.array(logsumexps)
+from tests.trie_reference import brute_force, token_ids_by_prefix
 
 
 def random_weights(num_tokens: int, seed: int, num_rows: int = 2):

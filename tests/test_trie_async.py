@@ -19,7 +19,7 @@ from genlm_backend.trie import (
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,
 )
-from tests.test_trie import brute_force, token_ids_by_prefix
+from tests.trie_reference import brute_force, token_ids_by_prefix
 
 VOCAB = make_tokens([b"a", b"ab", b"abc", b"b", b"ba", b"", b"ab", b"c"])
 

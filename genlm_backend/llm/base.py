@@ -26,8 +26,7 @@ from genlm_backend.batching import (
 )
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
-from genlm_backend.llm.adapters import AdapterRegistry
-from genlm_backend.llm.core import LMCore
+from genlm_backend.llm.core import AdapterRegistry, LMCore
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
@@ -130,7 +129,7 @@ class AsyncLM:
         )
         if runner is not None:
             self.runner = runner
-        self._batchers: LoopBatchers[Request | ScoreRequest, torch.Tensor | ValueError] = (
+        self.batchers: LoopBatchers[Request | ScoreRequest, torch.Tensor | ValueError] = (
             LoopBatchers(
                 self._core.compute,
                 self.batching,
@@ -183,7 +182,7 @@ class AsyncLM:
     @property
     def batcher_stats(self) -> BatcherStats | None:
         """The running event loop's batcher counters (``None`` outside a loop or before its first request)."""
-        return self._batchers.stats()
+        return self.batchers.stats()
 
     @property
     def stats(self) -> LMStats:
@@ -225,7 +224,7 @@ class AsyncLM:
         if cached is not None:
             return cached
         try:
-            row = await self._batchers.current().submit(request)
+            row = await self.batchers.current().submit(request)
         except Exception as exc:
             # Whatever a closing backend made the batch fail with, the caller should learn why.
             if self._core.is_closed and not isinstance(exc, BackendClosedError):
@@ -336,7 +335,7 @@ class AsyncLM:
 
     async def _submit_score(self, request: ScoreRequest) -> torch.Tensor:
         try:
-            scores = await self._batchers.current().submit(request)
+            scores = await self.batchers.current().submit(request)
         except Exception as exc:
             if self._core.is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
@@ -466,7 +465,7 @@ class AsyncLM:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return None
-        return loop.create_task(self._batchers.reset_current())
+        return loop.create_task(self.batchers.reset_current())
 
     async def aclose(self) -> None:
         """Fail pending requests with :class:`BackendClosedError` and release the model.
@@ -476,7 +475,7 @@ class AsyncLM:
         meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
         """
         self._core.is_closed = True
-        await self._batchers.reset_current()
+        await self.batchers.reset_current()
         # A batch may still be computing in the worker thread (its callers have
         # already failed): wait for it off the event loop, then release the model.
         await asyncio.to_thread(self._core.wait_idle)
@@ -485,7 +484,7 @@ class AsyncLM:
     def close(self) -> None:
         """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""
         self._core.is_closed = True
-        self._batchers.shutdown()
+        self.batchers.shutdown()
         self._core.close()
 
     def cleanup(self) -> None:

@@ -79,7 +79,7 @@ async def test_sync_calls_inside_a_running_loop_while_async_calls_are_pending(
         checker.add(context, outcome)
     checker.flush()
     figures.served = checker.num_checked
-    batcher = llm._batcher()
+    batcher = llm.batchers.current()
     assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
 
 
@@ -119,7 +119,7 @@ async def test_aclose_fails_computing_and_queued_requests_at_once(llm_parts, str
         gate.hold_next()
         tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in computing]
         await gate.wait_entered()
-        batcher = llm._batcher()
+        batcher = llm.batchers.current()
         tasks += [asyncio.create_task(llm.next_token_logprobs(c)) for c in queued]
         await asyncio.sleep(0)
         closing = asyncio.create_task(llm.aclose())
