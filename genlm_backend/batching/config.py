@@ -56,7 +56,7 @@ class BatchingConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not _is_int(value):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
@@ -108,5 +108,6 @@ class BatchingConfig:
         return batches
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)

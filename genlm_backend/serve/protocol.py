@@ -27,6 +27,8 @@ import msgpack
 import numpy as np
 import torch
 
+from genlm_backend.batching.config import is_int
+
 PROTOCOL_VERSION = 1
 TOKEN_HEADER = "authorization"
 MODEL_ID_HEADER = "x-genlm-model-id"
@@ -140,7 +142,7 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
     fields = unpack(body)
     lengths, ids, lora_names = fields.get("lengths"), fields.get("ids"), fields.get("lora_names")
     uncached = fields.get("uncached", False)
-    if not (isinstance(lengths, list) and all(_is_int(n) and n >= 0 for n in lengths)):
+    if not (isinstance(lengths, list) and all(is_int(n) and n >= 0 for n in lengths)):
         raise ValueError("malformed request body: 'lengths' must be a list of ints >= 0")
     if not isinstance(ids, bytes) or len(ids) % 4:
         raise ValueError("malformed request body: 'ids' must be int32 bytes")
@@ -191,7 +193,3 @@ def decode_rows(content: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
     if sys.byteorder != "little":
         array = array.astype(np.float32)
     return torch.from_numpy(array.copy())
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

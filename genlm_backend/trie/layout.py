@@ -19,10 +19,9 @@ level is two gathers and one element-wise operation over contiguous output
 rows, so an implementation runs ``len(levels)`` dense steps and one final
 gather (:attr:`TrieLayout.node_rows`) that gives every node its value.
 
-Why this shape (measured on SmolLM2's 49,152 tokens, batch 32, 2 CPU threads;
-see docs/trie.md): the per-node reductions that ``index_add_``/``index_reduce_``
-or a token-by-node sparse matrix perform cost 5-30x more than gathers of
-contiguous rows.
+Why this shape (docs/trie.md and BENCHMARKS.md give the measurements): the
+per-node reductions that ``index_add_``/``index_reduce_`` or a token-by-node
+sparse matrix perform cost several times more than gathers of contiguous rows.
 """
 
 from __future__ import annotations

@@ -85,8 +85,7 @@ def _sdpa_grouped_kv(
     With any mask, transformers repeats each key/value head once per query
     head it serves before calling SDPA (CUDA's fused kernels take no mask with
     grouped heads). That repeat copies every key and value of the batch in every
-    layer: about two thirds of a one-token step of 64 SmolLM2 rows over 130
-    cached tokens (``benchmarks/bench_attention.py``). On CPU, ``scaled_dot_product_attention(..., enable_gqa=True)``
+    layer (``benchmarks/bench_attention.py`` measures its share of a step). On CPU, ``scaled_dot_product_attention(..., enable_gqa=True)``
     takes a mask and gives the same result without the copy. Every other case
     is handed to transformers' function unchanged.
     """
@@ -228,8 +227,8 @@ class StaticCaches:
     """Makes ``StaticCache``\\ s over the runner's tensors for one model, sliding-window layers as full ones (see :func:`attention_window`).
 
     The model's layer kinds are checked once: ``StaticCache``'s own
-    constructor reads them from the config on every call, about 1 ms of host
-    time for a 32-layer config, once per forward pass of the runner.
+    constructor reads them from the config on every call, host time the
+    runner would pay once per forward pass.
 
     Raises:
         NotImplementedError: a layer keeps something other than softmax
@@ -285,8 +284,8 @@ def _runner_layer_class():
         ``StaticLayer.update`` finds its slots from a 0-d position tensor: an
         ``arange``, two additions and two indexed copies per layer and pass,
         and a tensor allocated per layer at construction. Here an update is
-        two slice copies: 4 device operations per layer instead of 8 (the
-        runner knows the slot every new token goes to).
+        two slice copies at a slot kept as an int (the runner knows the slot
+        every new token goes to): fewer device operations, no allocation.
         """
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, num_filled: int):
