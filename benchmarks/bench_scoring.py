@@ -15,17 +15,29 @@ prompt once, then the 16 continuations as one batch over its cached keys and
 values), the same log-probabilities gathered. Prints one line per round and
 the medians of ours / baseline.
 
-Usage: python benchmarks/bench_scoring.py [--rounds 3] [--threads 2] [--model M]
+With ``--upstream``, the nested cases also run on upstream genlm-backend
+0.3.1's ``AsyncTransformer`` (``benchmarks/upstream_env.sh`` builds its venv),
+once each, in a child process after ours: same tokens, the continuation's
+summed log-probability printed for both.
+
+Usage: python benchmarks/bench_scoring.py [--rounds 3] [--threads 2] [--model M] [--upstream]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+
+HERE = Path(__file__).resolve().parent
+UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
 
 
 def random_tokens(generator: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -67,6 +79,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--upstream", action="store_true", help="also run upstream 0.3.1")
+    parser.add_argument("--upstream-lengths", type=int, nargs="+", default=[64])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from genlm_backend.llm.hf import AsyncTransformer
@@ -99,14 +113,18 @@ def main() -> None:
         lambda llm: torch.stack(llm.batch_continuation_logprobs_sync(long_prompt, calls)),
         lambda: one_forward_call(model, long_prompt, calls),
     )
+    medians = {}
     for name, (setup, ours, floor) in cases.items():
-        ratios = []
+        ratios, times = [], []
         for r in range(args.rounds):
             llm = setup()[0]
             t_ours, got = timed(lambda llm=llm, ours=ours: ours(llm))
             t_floor, expected = timed(floor)
             error = (got - expected).abs().max().item()
             ratios.append(t_ours / t_floor)
+            times.append(t_ours)
+            if name.startswith("nested") and r == 0:
+                print(f"{name}: ours' summed log-probability {got.sum().item():.3f}", flush=True)
             print(
                 f"{name} round {r}: ours {t_ours:.3f} s, one forward {t_floor:.3f} s, "
                 f"{t_ours / t_floor:.2f}x, max |diff| {error:.1e}, "
@@ -114,7 +132,34 @@ def main() -> None:
                 flush=True,
             )
             llm.close()
+        medians[name] = statistics.median(times)
         print(f"{name}: median {statistics.median(ratios):.2f}x one forward pass", flush=True)
+    if args.upstream:
+        run_upstream(base.model.name_or_path, args, medians)
+
+
+def run_upstream(model_dir: str, args, medians: dict[str, float]) -> None:
+    command = [
+        str(UPSTREAM_PYTHON),
+        str(HERE / "upstream_scoring_driver.py"),
+        "--model-dir",
+        model_dir,
+        "--threads",
+        str(args.threads),
+        "--lengths",
+        *map(str, args.upstream_lengths),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    for line in done.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        found = json.loads(line)
+        ours = medians[found["case"]]
+        print(
+            f"{found['case']}: upstream {found['seconds']:.3f} s (summed log-probability "
+            f"{found['sum']:.3f}), {found['seconds'] / ours:.1f}x ours' median",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
