@@ -16,6 +16,9 @@ backends interleaved, order alternating). Afterwards both score the same
 contexts (every prefix of the particles upstream sampled) and the largest
 absolute difference of their next-token log-probabilities is reported.
 
+``--critic`` adds an LLM critic (``genlm_control_driver.py``): the model is then
+also a potential, scoring every prefix of each particle at every step.
+
 Usage (``genlm_control_env.sh`` creates both virtualenvs)::
 
     bash benchmarks/genlm_control_env.sh
@@ -172,6 +175,9 @@ def main(argv=None) -> None:
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument(
+        "--critic", action="store_true", help="an LLM critic scores every particle at every step"
+    )
+    parser.add_argument(
         "--seeds", type=int, nargs="+", default=[0], help="timed SMC runs per process, one per seed"
     )
     parser.add_argument("--repeats", type=int, default=3, help="processes per backend, interleaved")
@@ -188,6 +194,7 @@ def main(argv=None) -> None:
         str(args.particles),
         "--max-tokens",
         str(args.max_tokens),
+        *(["--critic"] if args.critic else []),
     ]
     results = timed_repeats(pythons, common, args.seeds, args.repeats)
     summary = summarize(results, args.seeds, args.workload)

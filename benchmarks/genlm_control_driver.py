@@ -7,6 +7,11 @@ genlm-backend 0.3.1. ``bench_genlm_control.py`` runs this script in two
 virtualenvs and compares them; it prints one JSON line on stdout. ``--workload``
 picks the prompt and regex (``genlm_control_workloads.py``: ``email``, ``sql``).
 
+``--critic`` adds a second ``PromptedLLM`` over the same model, with a judging
+prompt (``CRITICS``), as the SMC's critic: every step it scores each particle's
+whole context, one ``batch_next_token_logprobs`` over every prefix
+(``PromptedLLM.log_probability``), the LLM used as a potential.
+
 Modes:
 
 * ``time``: one warm-up SMC run (seed ``--warmup-seed``, not timed), then one
@@ -37,7 +42,7 @@ import numpy as np
 import torch
 from genlm.backend.llm import AsyncTransformer
 from genlm.control import AWRS, BoolFSA, PromptedLLM
-from genlm_control_workloads import WORKLOADS
+from genlm_control_workloads import CRITICS, WORKLOADS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -66,8 +71,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def build_critic(llm, workload: str) -> PromptedLLM:
+    """A ``PromptedLLM`` over ``llm`` whose prompt asks whether what follows fits the workload."""
+    critic = PromptedLLM(llm)
+    critic.prompt_ids = llm.tokenizer.encode(CRITICS[workload])
+    return critic
+
+
 async def run_smc(
-    llm, potential, condition, seed: int, particles: int, max_tokens: int, cache_prompt: bool
+    llm,
+    potential,
+    condition,
+    seed: int,
+    particles: int,
+    max_tokens: int,
+    cache_prompt: bool,
+    critic=None,
 ) -> dict:
     """One SMC run from cold model caches (the prompt's keys/values cached first if
     ``cache_prompt``, inside the timed span); returns its time and what it sampled."""
@@ -78,7 +97,9 @@ async def run_smc(
     if cache_prompt:
         llm.cache_kv(list(potential.prompt_ids))
     prefill_seconds = time.perf_counter() - start
-    sequences = await sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens)
+    sequences = await sampler.smc(
+        n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens, critic=critic
+    )
     seconds = time.perf_counter() - start
     tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
     return {
@@ -96,6 +117,7 @@ async def run_smc(
 
 async def time_runs(args) -> dict:
     llm, potential, condition = build_potentials(args.model_dir, args.workload)
+    critic = build_critic(llm, args.workload) if args.critic else None
     await run_smc(
         llm,
         potential,
@@ -104,10 +126,18 @@ async def time_runs(args) -> dict:
         args.warmup_particles,
         args.max_tokens,
         args.cache_prompt,
+        critic,
     )
     runs = [
         await run_smc(
-            llm, potential, condition, seed, args.particles, args.max_tokens, args.cache_prompt
+            llm,
+            potential,
+            condition,
+            seed,
+            args.particles,
+            args.max_tokens,
+            args.cache_prompt,
+            critic,
         )
         for seed in args.seeds
     ]
@@ -139,6 +169,7 @@ def main() -> None:
         default=True,
         help="cache_kv(prompt) at the start of each run (upstream's advice)",
     )
+    parser.add_argument("--critic", action="store_true", help="score particles with an LLM critic")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
     parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")

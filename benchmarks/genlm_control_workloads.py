@@ -8,7 +8,8 @@
   target schema and question. The answer is constrained to a small SQL subset:
   one table, an optional ``WHERE`` comparison, ``ORDER BY`` and ``LIMIT``.
 
-``WORKLOADS[name]`` is ``(chat messages, regex)``.
+``WORKLOADS[name]`` is ``(chat messages, regex)``; ``CRITICS[name]`` is the prompt of
+the LLM critic of ``--critic`` runs (the particle's text follows it).
 """
 
 from __future__ import annotations
@@ -229,4 +230,9 @@ def sql_messages() -> list[dict]:
 WORKLOADS = {
     "email": ([{"role": "user", "content": EMAIL_REQUEST}], EMAIL_REGEX),
     "sql": (sql_messages(), SQL_REGEX),
+}
+
+CRITICS = {
+    "email": "A plausible work email address for Jane Doe at Example Corp: ",
+    "sql": "A correct SQLite query for the question above, reading one table: ",
 }
