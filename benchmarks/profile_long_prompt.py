@@ -2,7 +2,7 @@
 
 The HF backend's phases are timed by wrapping them (no profiler, so Python
 work is not inflated): validation and the batch-cost estimate on the event
-loop; the plan, the forward pass (and the model call inside it), the
+loop; the lookups and the plan, the forward pass (and the model call inside it), the
 commit into the KV tree and the output cache on the worker thread. Each
 round runs the floor (``bench_long_prompt``'s: the N-copies steps behind 64
 tokens plus the prompt's attention once) and then ours on fresh particles,
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from genlm_backend.llm import base
+    from genlm_backend.llm import core
     from genlm_backend.llm.hf import AsyncTransformer
     from genlm_backend.llm.hf import runner as hf_runner
 
@@ -77,12 +77,20 @@ def main(argv=None) -> None:
     llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(vocab_size)])
     totals: collections.Counter = collections.Counter()
     runner = llm.runner
-    for name in ("run", "_plan", "_forward", "request_tokens", "_cache_over", "_block_with_pasts"):
+    for name in (
+        "run",
+        "_lookup",
+        "_plan",
+        "_forward",
+        "request_tokens",
+        "_cache_over",
+        "_block_with_pasts",
+    ):
         wrap(runner, name, totals)
     wrap(runner.kv_tree, "commit", totals)
     wrap(runner.model, "forward", totals, "model forward")
     wrap(hf_runner.layout, "inputs", totals)
-    wrap(base, "validate_contexts", totals)
+    wrap(core, "validate_contexts", totals)
     wrap(llm.output_cache, "put", totals, "output cache put")
 
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
