@@ -13,7 +13,7 @@ Baseline, in the same process and in turns with ours: the transformers model
 called directly, one forward pass over the same tokens, the same
 log-probabilities gathered: cold, over prompt + continuation; prompt cached,
 over the continuation behind the prompt's keys/values (``DynamicCache``, made
-in the timed span: a small share); ``call``, the prompt once, then the 16
+before the timed span); ``call``, the prompt once, then the 16
 continuations as one batch over its keys/values repeated per row. Prints one line per round and
 the medians of ours / baseline.
 
@@ -28,6 +28,7 @@ Usage: python benchmarks/bench_scoring.py [--rounds 3] [--threads 2] [--model M]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -120,7 +121,7 @@ def main() -> None:
         cases[f"nested {n} cold"] = (
             lambda c=continuation: (fresh(), None),
             lambda llm, c=continuation: ours_nested(llm, prompt, c),
-            lambda c=continuation: one_forward_nested(model, prompt, c),
+            lambda c=continuation: functools.partial(one_forward_nested, model, prompt, c),
         )
         cases[f"nested {n} prompt cached"] = (
             lambda: (llm := fresh(), llm.cache_kv(prompt))[0:1] + (None,),
@@ -132,7 +133,7 @@ def main() -> None:
     cases["call 16x64 behind 1500"] = (
         lambda: (fresh(), None),
         lambda llm: torch.stack(llm.batch_continuation_logprobs_sync(long_prompt, calls)),
-        lambda: one_forward_call(model, long_prompt, calls),
+        lambda: functools.partial(one_forward_call, model, long_prompt, calls),
     )
     medians = {}
     for name, (setup, ours, floor) in cases.items():
@@ -140,7 +141,7 @@ def main() -> None:
         for r in range(args.rounds):
             llm = setup()[0]
             t_ours, got = timed(lambda llm=llm, ours=ours: ours(llm))
-            t_floor, expected = timed(floor)
+            t_floor, expected = timed(floor())  # floor() prepares untimed, returns the timed call
             error = (got - expected).abs().max().item()
             ratios.append(t_ours / t_floor)
             times.append(t_ours)
