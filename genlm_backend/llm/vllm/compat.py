@@ -79,6 +79,33 @@ def add_plain_request(engine, request_id: str, context, lora_request) -> None:
     )
 
 
+def add_scoring_request(engine, request_id: str, tokens, lora_request) -> None:
+    """A request asking for the log-probability of each of its prompt tokens (``prompt_logprobs=0``).
+
+    Its row is not captured: the scores come back in the engine's output
+    (:func:`prompt_token_logprobs`), one value per token, not full rows.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=0)
+    engine.add_request(request_id, tokens_input(list(tokens)), params, lora_request=lora_request)
+
+
+def prompt_token_logprobs(output, tokens, start: int) -> list[float]:
+    """The log-probability of ``tokens[i]`` for ``i >= start`` in a finished scoring request's output.
+
+    Raises:
+        CaptureError: the output holds no prompt log-probabilities for a position.
+    """
+    from genlm_backend.errors import CaptureError
+
+    found = output.prompt_logprobs
+    if found is None or len(found) < len(tokens):
+        raise CaptureError("vLLM returned no prompt log-probabilities for a scoring request")
+    return [found[i][tokens[i]].logprob for i in range(start, len(tokens))]
+
+
 def add_session_request(
     engine, request_id: str, tokens, capture_id: str, resumable: bool, lora_request
 ) -> None:

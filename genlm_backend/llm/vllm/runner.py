@@ -56,6 +56,7 @@ class VLLMRunner:
         self.num_tokens_submitted = 0
         self._request_numbers = itertools.count()
         self._scheduler = vllm_compat.in_process_scheduler(engine)
+        self._model_vocab_size = engine.vllm_config.model_config.get_vocab_size()
         self._sessions: OrderedDict[Request, str] = OrderedDict()  # request -> engine request id
 
     @property
@@ -90,8 +91,34 @@ class VLLMRunner:
         return self._run_plain(requests)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
-        """Scores gathered from the rows of each continuation's prefixes."""
-        return score_from_rows(self.run, requests)
+        """Each continuation scored by vLLM's own prompt log-probabilities: one value per token.
+
+        Where the model's logits have more columns than the tokenizer's
+        vocabulary, rows must be renormalized over the vocabulary, which
+        prompt log-probabilities cannot give: there the scores are gathered
+        from the prefixes' rows.
+        """
+        if self._model_vocab_size != self.vocab_size:
+            return score_from_rows(self.run, requests)
+        request_ids = [f"genlm-score-{next(self._request_numbers)}" for _ in requests]
+        fulls = [request.context + request.continuation for request in requests]
+        try:
+            for request_id, request, full in zip(request_ids, requests, fulls):
+                vllm_compat.add_scoring_request(
+                    self.engine, request_id, full, self._lora_request(request.adapter)
+                )
+                self.num_tokens_submitted += len(full)
+            outputs = self._run_until_finished(request_ids)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return [
+            torch.tensor(
+                vllm_compat.prompt_token_logprobs(outputs[request_id], full, len(request.context)),
+                dtype=torch.float32,
+            )
+            for request_id, request, full in zip(request_ids, requests, fulls)
+        ]
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         """One plain engine request (vLLM's prefix cache may still serve its prefix)."""
@@ -113,14 +140,18 @@ class VLLMRunner:
             raise
         return fit_to_vocab(logprobs, self.vocab_size).to(self.device)
 
-    def _run_until_finished(self, request_ids: list[str]) -> None:
+    def _run_until_finished(self, request_ids: list[str]) -> dict:
+        """Step the engine until every request finished; returns their final outputs by id."""
         pending = set(request_ids)
+        finished = {}
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise CaptureError(f"the engine stopped with {len(pending)} requests unfinished")
             for output in self.engine.step():
-                if output.finished:
+                if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
+                    finished[output.request_id] = output
+        return finished
 
     # ------------------------------------------------------------------ particle sessions
 
