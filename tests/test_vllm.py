@@ -234,6 +234,24 @@ def test_more_particles_than_session_slots_are_still_exact(tiny_vllm, tiny_refer
         particles = [p + [rng.randrange(tiny_vllm.vocab_size)] for p in particles]
 
 
+async def test_continuations_are_scored_by_prompt_logprobs(backend):
+    """vLLM's own prompt log-probabilities, one value per token: no row enters the output cache."""
+    llm, model = backend
+    rng = random.Random(9)
+    context = [rng.randrange(llm.vocab_size) for _ in range(12)]
+    continuations = [[rng.randrange(llm.vocab_size) for _ in range(n)] for n in (1, 5, 9)]
+    rows_held = len(llm.output_cache)
+    scores = await llm.batch_continuation_logprobs(context, continuations)
+    assert len(llm.output_cache) == rows_held
+    for continuation, found in zip(continuations, scores):
+        expected = [
+            reference(model, context + continuation[:i])[: llm.vocab_size][token].item()
+            for i, token in enumerate(continuation)
+        ]
+        assert found.dtype == torch.float32 and found.shape == (len(continuation),)
+        torch.testing.assert_close(found.cpu(), torch.tensor(expected), atol=ATOL, rtol=0)
+
+
 async def test_aclose_releases_the_engine_so_another_can_start(tiny_model_dir, tiny_reference):
     llm = AsyncVirtualLM.from_name(tiny_model_dir, engine_opts=ENGINE_OPTS)
     assert_matches(llm, tiny_reference, [[5, 6]], (await llm.next_token_logprobs([5, 6]))[None])
