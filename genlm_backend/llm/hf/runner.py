@@ -267,13 +267,9 @@ class HFRunner:
             and block.num_slots == plan.num_new
             and all(row.num_new == plan.num_new for row in plan.rows)
         )
-        reads = plan.reads
-        rows = torch.tensor([row for _, row, _ in reads], device=self.device)
-        positions = torch.tensor([at for _, _, at in reads], device=self.device)
-        with (
-            grouped_kv_attention(self.model),
-            head_sees_only(self.model, (rows, positions) if plan.num_new > 1 else None),
-        ):
+        # A one-token step reads each row's only position; a longer pass, the positions of its reads.
+        reads = self._read_positions(plan) if plan.num_new > 1 else None
+        with grouped_kv_attention(self.model), head_sees_only(self.model, reads):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -286,11 +282,19 @@ class HFRunner:
             )
         # logits: [N, 1, V_model] per read, [B, 1, V_model] for one-token steps,
         # or [B, num_new, V_model] for a head the hook cannot reach
-        logits = (
-            output.logits[:, 0] if output.logits.shape[1] == 1 else output.logits[rows, positions]
-        )
+        if output.logits.shape[1] == 1 or reads is None:
+            logits = output.logits[:, 0]
+        else:
+            logits = output.logits[reads]
         self.num_tokens_computed += sum(row.num_new for row in plan.rows)
         return fit_to_vocab(logits, self.vocab_size), block
+
+    def _read_positions(self, plan: PassPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, positions)`` of ``plan.reads`` as index tensors on the model's device."""
+        reads = plan.reads
+        rows = torch.tensor([row for _, row, _ in reads], device=self.device)
+        positions = torch.tensor([at for _, _, at in reads], device=self.device)
+        return rows, positions
 
     def _block_with_pasts(self, plan: PassPlan) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
