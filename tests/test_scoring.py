@@ -141,3 +141,20 @@ async def test_the_mock_scores_from_its_rows():
     assert scores.tolist() == [rows[i][t].item() for i, t in enumerate(continuation)]
     (again,) = llm.batch_continuation_logprobs_sync(context, [continuation])
     assert again.tolist() == scores.tolist()
+
+
+async def test_scoring_passes_hold_a_bounded_number_of_logits(tiny_llama, monkeypatch):
+    """Past ``max_score_reads`` positions, continuations are cut into pieces scored in turn."""
+    from genlm_backend.llm.hf.runner import HFRunner
+
+    model, tokenizer = tiny_llama
+    monkeypatch.setattr(HFRunner, "max_score_reads", property(lambda self: 3))
+    llm = AsyncTransformer(model, tokenizer)
+    rng = random.Random(5)
+    context = tokens(rng, 9)
+    continuations = [tokens(rng, n) for n in (1, 5, 7)]
+    scores = await llm.batch_continuation_logprobs(context, continuations)
+    for continuation, found in zip(continuations, scores):
+        expected = expected_scores(model, context, continuation, llm.vocab_size)
+        torch.testing.assert_close(found, expected, atol=ATOL, rtol=0)
+    assert llm.stats.num_batches == 1  # one batch of the batcher, several passes of the model

@@ -27,7 +27,7 @@ from genlm_backend.llm.vllm.capture import (
     CaptureLogitsProcessorV2,
     store_for,
 )
-from genlm_backend.llm.vllm.compat import capture as vllm_capture
+from genlm_backend.llm.vllm import capture as vllm_capture
 
 pytestmark = pytest.mark.vllm
 VOCAB = 11

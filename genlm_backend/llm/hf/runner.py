@@ -143,28 +143,65 @@ class HFRunner:
         past the longest cached prefix (at most ``context[:-1]``), its logits
         read at every one of those positions; a long prefix the rows share
         and the tree lacks is computed once first. The keys/values of every
-        row enter the tree, as for next-token requests.
+        row enter the tree, as for next-token requests. A pass reads at most
+        :attr:`max_score_reads` positions (the logits it holds at once): longer
+        work goes in several passes, a long continuation in pieces, each
+        continuing the keys/values the previous one left.
         """
-        fulls = [context + continuation for context, continuation in pairs]
+        pieces: list[list[torch.Tensor]] = [[] for _ in pairs]
+        work = [
+            (
+                start,
+                i,
+                context + continuation[:start],
+                continuation[start : start + self.max_score_reads],
+            )
+            for i, (context, continuation) in enumerate(pairs)
+            for start in range(0, len(continuation), self.max_score_reads)
+        ]
+        work.sort(key=lambda piece: piece[0])  # a continuation's pieces in order
+        chunk: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        num_reads = 0
+        for _, i, context, continuation in work:
+            if chunk and num_reads + len(continuation) > self.max_score_reads:
+                self._score_chunk(chunk, pieces, namespace)
+                chunk, num_reads = [], 0
+            chunk.append((i, context, continuation))
+            num_reads += len(continuation)
+        self._score_chunk(chunk, pieces, namespace)
+        return [torch.cat(found) for found in pieces]
+
+    @property
+    def max_score_reads(self) -> int:
+        """Most positions one scoring pass reads: its ``[N, V]`` float32 logits within 256 MiB."""
+        return max(1, (256 << 20) // (4 * self.vocab_size))
+
+    def _score_chunk(
+        self,
+        chunk: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]],
+        pieces: list[list[torch.Tensor]],
+        namespace: Hashable,
+    ) -> None:
+        """Score ``(pair index, context, continuation)`` in one batch; append each piece's scores."""
+        fulls = [context + continuation for _, context, continuation in chunk]
         if self.level_policy.enabled:
             for prefixes in self._prefill_rounds(self._lookup(fulls, namespace), namespace):
                 self._execute(self._plan(self._lookup(prefixes, namespace)), namespace)
         hosts, offsets = [], [0]
-        for i, (context, continuation) in enumerate(pairs):
-            entry, shared = self.kv_tree.longest_prefix(fulls[i], namespace)
+        for k, (_, context, continuation) in enumerate(chunk):
+            entry, shared = self.kv_tree.longest_prefix(fulls[k], namespace)
             reused = min(shared, len(context) - 1)
-            lookup = Lookup(i, fulls[i], entry if reused > 0 else None, reused)
+            lookup = Lookup(k, fulls[k], entry if reused > 0 else None, reused)
             first = len(context) - 1 - reused  # the new-token position predicting continuation[0]
-            reads = tuple((offsets[-1] + k, first + k) for k in range(len(continuation)))
+            reads = tuple((offsets[-1] + j, first + j) for j in range(len(continuation)))
             hosts.append((lookup, reads))
             offsets.append(offsets[-1] + len(continuation))
         plan = layout.plan_hosts(hosts, offsets[-1], self.level_policy)
         rows = self._execute(plan, namespace)  # [sum of lengths, vocab_size]
-        targets = torch.tensor(
-            [t for _, continuation in pairs for t in continuation], device=rows.device
-        )
-        scores = rows.gather(1, targets[:, None])[:, 0].cpu()
-        return [scores[a:b] for a, b in itertools.pairwise(offsets)]
+        targets = [token for _, _, continuation in chunk for token in continuation]
+        scores = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].cpu()
+        for (i, _, _), (a, b) in zip(chunk, itertools.pairwise(offsets)):
+            pieces[i].append(scores[a:b])
 
     @torch.inference_mode()
     def run_uncached(self, request: Request) -> torch.Tensor:
