@@ -20,6 +20,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from genlm_backend.errors import CaptureError
+from genlm_backend.llm.vllm import capture as vllm_capture
 from genlm_backend.llm.vllm.capture import (
     REQUEST_ID_ARG,
     STORE_ID_ARG,
@@ -27,7 +28,6 @@ from genlm_backend.llm.vllm.capture import (
     CaptureLogitsProcessorV2,
     store_for,
 )
-from genlm_backend.llm.vllm import capture as vllm_capture
 
 pytestmark = pytest.mark.vllm
 VOCAB = 11
