@@ -19,6 +19,7 @@ engine serves the whole module; the closing test runs last.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -53,7 +54,7 @@ ENGINE_OPTS = {
 
 
 class StressVirtualLM(AsyncVirtualLM):
-    """Can hold the next batch at the compute hook, and make the engine's ``step()`` raise in chosen batches."""
+    """Can hold the next batch as the runner starts it, and make the engine's ``step()`` raise in chosen batches."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -70,17 +71,18 @@ class StressVirtualLM(AsyncVirtualLM):
             return step()
 
         self.llm_engine.step = faulty_step
+        self.runner.run = functools.partial(self._held_run, self.runner.run)
 
     def hold_next(self) -> None:
         self.entered.clear()
         self.release.clear()
 
-    def _process_batch(self, requests):
+    def _held_run(self, run, requests):
         self.batches.append([request.context for request in requests])
         self.entered.set()
         if not self.release.wait(WAIT_S):
             raise TimeoutError("the held batch was never released")
-        return super()._process_batch(requests)
+        return run(requests)
 
 
 @pytest.fixture(scope="module")
