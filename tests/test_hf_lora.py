@@ -265,3 +265,17 @@ async def reference_sample(references, path, prompt, max_tokens, temperature, se
     return await sample_continuation(
         next_logprobs, prompt, max_tokens, [], temperature, make_generator(seed)
     )
+
+
+async def test_continuations_are_scored_under_their_adapter(llm, adapter_paths, references):
+    llm.add_new_lora(adapter_paths[0], "a")
+    context, continuation = [31, 32, 33, 34], [35, 36, 37]
+    for name, path in ((None, None), ("a", adapter_paths[0])):
+        scores = await llm.continuation_logprobs(context, continuation, lora_name=name)
+        expected = torch.tensor(
+            [
+                references(path, context + continuation[:i])[token].item()
+                for i, token in enumerate(continuation)
+            ]
+        )
+        torch.testing.assert_close(scores, expected, atol=ATOL, rtol=0)
