@@ -135,17 +135,32 @@ def is_busy(scheduler, request_id: str) -> bool:
 
 
 def in_process_scheduler(engine):
-    """The scheduler particle sessions use, or ``None`` where they are not supported.
+    """The scheduler particle sessions use, or ``None`` where they are not supported (see :func:`sessions_unsupported`)."""
+    if sessions_unsupported(engine) is not None:
+        return None
+    return engine.engine_core.engine_core.scheduler
+
+
+def sessions_unsupported(engine) -> str | None:
+    """Why particle sessions cannot run on ``engine``, or ``None`` where they can.
 
     Supported: the engine core in this process, one worker, the V1 model runner
     (the one sessions were tested with).
     """
     core = getattr(engine.engine_core, "engine_core", None)
-    scheduler = getattr(core, "scheduler", None)
     config = engine.vllm_config
-    if scheduler is None or config.parallel_config.world_size != 1 or config.use_v2_model_runner:
-        return None
-    return scheduler
+    if getattr(core, "scheduler", None) is None:
+        return "the engine core runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING)"
+    if config.parallel_config.world_size != 1:
+        parallel = config.parallel_config
+        return (
+            f"the engine runs {parallel.world_size} workers (tensor_parallel_size="
+            f"{parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}); sessions need one"
+        )
+    if config.use_v2_model_runner:
+        return "the engine uses vLLM's V2 model runner"
+    return None
 
 
 def underlying_model(engine):

@@ -88,8 +88,11 @@ class AsyncVirtualLM(AsyncLM):
             timeout_s=timeout,
             **kwargs,
         )
+        self.sessions_unsupported = vllm_compat.sessions_unsupported(self.llm_engine)
+        """Why particle sessions are off on this engine (``None``: they are available)."""
+        _check_sessions(max_sessions, self.sessions_unsupported)
         sessions = (
-            _default_max_sessions(batch_size, self.llm_engine)
+            _default_max_sessions(batch_size, self.sessions_unsupported, self.llm_engine)
             if max_sessions is None
             else max_sessions
         )
@@ -130,6 +133,7 @@ class AsyncVirtualLM(AsyncLM):
 
     @max_sessions.setter
     def max_sessions(self, value: int) -> None:
+        _check_sessions(value, self.sessions_unsupported)
         self.runner.max_sessions = value
 
     @property
@@ -147,9 +151,24 @@ class AsyncVirtualLM(AsyncLM):
         self.llm_engine = None
 
 
-def _default_max_sessions(batch_size: int | None, engine) -> int:
-    """Twice an explicit ``batch_size``; otherwise every request slot of the scheduler."""
+def _default_max_sessions(batch_size: int | None, unsupported: str | None, engine) -> int:
+    """0 where sessions are unsupported; else twice an explicit ``batch_size``, or every request slot."""
+    if unsupported is not None:
+        return 0
     if batch_size is not None:
         return 2 * batch_size
-    scheduler = vllm_compat.in_process_scheduler(engine)
-    return 0 if scheduler is None else scheduler.max_num_active_reqs
+    return vllm_compat.in_process_scheduler(engine).max_num_active_reqs
+
+
+def _check_sessions(max_sessions: int | None, unsupported: str | None) -> None:
+    """Refuse particle sessions asked for on an engine that cannot run them, saying why.
+
+    Raises:
+        ValueError: ``max_sessions`` > 0 where sessions are unsupported.
+    """
+    if max_sessions and unsupported is not None:
+        raise ValueError(
+            f"max_sessions={max_sessions}: particle sessions are not available here ({unsupported}); "
+            "leave max_sessions unset or pass 0 (each request then runs as a plain vLLM request, "
+            "its prefix from vLLM's prefix cache)"
+        )

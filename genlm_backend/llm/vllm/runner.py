@@ -77,7 +77,7 @@ class VLLMRunner:
         their whole contexts and split into several engine runs. Called from
         the event loop while a batch may run, so it is an estimate.
         """
-        if self.max_sessions > 0 and len(request.context) > 1:
+        if self._scheduler is not None and self.max_sessions > 0 and len(request.context) > 1:
             parent = Request(request.adapter, request.context[:-1])
             if parent in self._sessions:
                 return 1
