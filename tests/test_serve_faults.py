@@ -24,6 +24,7 @@ from genlm_backend.errors import (
     ServerRejectedError,
     ServerUnavailableError,
 )
+from genlm_backend.llm.runner import Request
 from genlm_backend.serve import RemoteLM, protocol
 from genlm_backend.serve.server import check_binding, is_loopback
 from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
@@ -225,7 +226,7 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
             assert lm.runner.num_round_trips - round_trips == 3
             assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts))
             with pytest.raises(RequestTooLargeError, match="at most 4"):
-                lm.runner.run([lm._requests([[1]], None)[0]] * 5)
+                lm.runner.run([Request(None, (1,))] * 5)
     finally:
         server.stop()
 
