@@ -2,9 +2,11 @@
 # Creates the virtualenv of upstream genlm-backend 0.3.1 with its MLX extra (if missing):
 #   ${UPSTREAM_MLX_VENV:-/work/venvs/upstream-mlx}
 # As benchmarks/upstream_env.sh, plus MLX: torch 2.13.0's CPU build first, pinned by a
-# constraints file; then genlm-backend[mlx]==0.3.1 and mlx[cpu], the same mlx and mlx-lm
-# versions as this project's venv (upstream's extra asks for plain `mlx`, which on Linux
-# installs no backend and fails to import).
+# constraints file; then genlm-backend[mlx]==0.3.1 and mlx[cpu] (upstream's extra asks for
+# plain `mlx`, which on Linux installs no backend and fails to import), the same MLX build as
+# this project's venv, with mlx-lm 0.31.3: upstream imports private helpers of
+# mlx_lm.generate (`_left_pad_prompts`, `_make_cache`) that mlx-lm 0.32 removed, and
+# then silently falls back to its placeholder class, which says MLX is not installed.
 #
 # Usage: bash benchmarks/upstream_mlx_env.sh      (prints the venv's python on success)
 set -euo pipefail
@@ -13,7 +15,7 @@ VENV="${UPSTREAM_MLX_VENV:-/work/venvs/upstream-mlx}"
 TORCH_VERSION="2.13.0"
 TRANSFORMERS_VERSION="5.19.0"
 MLX_VERSION="0.32.4"
-MLX_LM_VERSION="0.32.2"
+MLX_LM_VERSION="0.31.3"
 PYTHON="$VENV/bin/python"
 
 is_complete() {

@@ -10,6 +10,10 @@ breaks one module:
 * :func:`split_model`: the model's body and output head, so that only the
   rows' last positions go through the head (a long prompt's prefill would
   otherwise project every position onto the vocabulary).
+* :func:`clear_at_exit`: MLX may abort the process at exit ("terminate called
+  without an active exception") when arrays computed in a thread that has
+  ended (the batcher's worker) are freed during interpreter shutdown; the
+  runners' keys/values are dropped before that, in an ``atexit`` hook.
 * :func:`install_shared_attention`: routes the attention of a model's module
   through :func:`shared_attention` for the runner's own cache objects, so a
   prefix shared by every row of a batch is held and read once.
@@ -17,9 +21,11 @@ breaks one module:
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import json
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,6 +130,22 @@ def split_model(model) -> tuple[Callable, Callable] | None:
     except (TypeError, ValueError, AttributeError):
         return None
     return (body, head) if same else None
+
+
+_TO_CLEAR_AT_EXIT: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_at_exit(runner) -> None:
+    """Call ``runner.clear()`` when the interpreter exits, if it is still alive then (see the module's notes)."""
+    if not _TO_CLEAR_AT_EXIT:
+        atexit.register(_clear_all)
+    _TO_CLEAR_AT_EXIT.add(runner)
+
+
+def _clear_all() -> None:
+    for runner in list(_TO_CLEAR_AT_EXIT):
+        runner.clear()
+    mx.synchronize()
 
 
 class SharedPrefixCache:

@@ -91,6 +91,7 @@ class MlxRunner:
         self._split = compat.split_model(model)
         self.levels_enabled = compat.install_shared_attention(model)
         """Whether shared prefixes are read in place (else copied into every row)."""
+        compat.clear_at_exit(self)
 
     @property
     def stats(self) -> RunnerStats:
