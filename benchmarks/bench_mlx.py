@@ -224,9 +224,13 @@ def main(argv=None) -> None:
     from genlm_backend.models import default_model_dir
 
     model_dir = str(default_model_dir())
-    print(f"# bench_mlx: SmolLM2-135M fp32, MLX CPU build, {platform.machine()}, {os.cpu_count()} CPUs")
+    print(
+        f"# bench_mlx: SmolLM2-135M fp32, MLX CPU build, {platform.machine()}, {os.cpu_count()} CPUs"
+    )
     print(f"median of {args.repeats} runs per variant, in turns, each in a fresh process")
-    print("| workload | variant | steps s (median) | vs ours | all steps s | prompt s | peak RSS MB | tokens computed / requested |")
+    print(
+        "| workload | variant | steps s (median) | vs ours | all steps s | prompt s | peak RSS MB | tokens computed / requested |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     everything = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,7 +250,9 @@ def main(argv=None) -> None:
                     continue
                 ratio = f"{r['steps_s'] / ours:.2f}x" if ours else "-"
                 tokens = (
-                    f"{r['tokens_computed']} / {r['tokens_requested']}" if "tokens_computed" in r else "-"
+                    f"{r['tokens_computed']} / {r['tokens_requested']}"
+                    if "tokens_computed" in r
+                    else "-"
                 )
                 print(
                     f"| {workload} | {variant} | {r['steps_s']:.2f} | {ratio} | {r['all_steps_s']} "

@@ -305,7 +305,9 @@ def test_upstream_import_paths_give_the_real_class():
         "from genlm_backend.llm.mlx.model import AsyncMlxLM as Real\n"
         "assert AsyncMlxLM is Same is Real, AsyncMlxLM\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -327,3 +329,78 @@ async def test_default_model_matches_transformers(smollm2_model, default_model_d
     rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in [prompt, *contexts]))
     for context, row in zip([prompt, *contexts], rows):
         assert_exact(llm, smollm2_model, context, row)
+
+
+LORA_PARAMETERS = {"rank": 4, "scale": 10.0, "dropout": 0.0}
+
+
+def save_mlx_adapter(model_folder, folder, seed: int) -> str:
+    """An mlx-lm LoRA adapter over the tiny model's 2 layers, with random non-zero A and B."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from genlm_backend.llm.mlx.compat import load_model
+
+    model = load_model(model_folder)
+    linear_to_lora_layers(model, 2, LORA_PARAMETERS)
+    mx.random.seed(seed)
+    weights = {
+        k: mx.random.normal(v.shape) * 0.5
+        for k, v in tree_flatten(model.trainable_parameters())
+        if "lora_" in k
+    }
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": LORA_PARAMETERS}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def adapter_reference(model_folder, adapter_folder, context) -> torch.Tensor:
+    """A fresh model carrying only the adapter (mlx-lm's own loading), one plain forward."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_adapters
+
+    from genlm_backend.llm.mlx.compat import load_model
+
+    model = load_adapters(load_model(model_folder), adapter_folder)
+    model.eval()
+    logits = np.array(model(mx.array([list(context)]))[0, -1].astype(mx.float32))
+    return torch.log_softmax(torch.from_numpy(logits), -1)
+
+
+@needs_mlx
+async def test_lora_adapters_per_request_match_their_own_forward(llm, tiny_folder, tmp_path):
+    folder = tiny_folder[0]
+    paths = [save_mlx_adapter(folder, tmp_path / name, seed) for name, seed in (("a", 1), ("b", 2))]
+    context = [5, 6, 7, 8, 9]
+    base_before = llm.next_token_logprobs_sync(context)
+    llm.add_new_lora(paths[0], "a")
+    llm.add_new_lora(paths[1], "b")
+    assert torch.equal(llm.next_token_logprobs_uncached(context), base_before)  # bit for bit
+    contexts = [context + [t] for t in (1, 2, 3)]
+    names = [None, "a", "b"]
+    rows = await asyncio.gather(
+        *(llm.next_token_logprobs(c, lora_name=n) for c in contexts for n in names)
+    )
+    for i, (c, n) in enumerate((c, n) for c in contexts for n in names):
+        expected = (
+            llm.next_token_logprobs_uncached(c)
+            if n is None
+            else adapter_reference(folder, paths[names.index(n) - 1], c)
+        )
+        torch.testing.assert_close(rows[i], expected, atol=UNCACHED_ATOL, rtol=0)
+    assert (rows[1] - rows[0]).abs().max() > 1e-2  # the adapters change the distribution
+    llm.remove_lora("a")
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        await llm.next_token_logprobs(context, lora_name="a")
+
+
+@needs_mlx
+def test_a_peft_adapter_is_refused_with_the_reason(llm, tmp_path):
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an mlx-lm LoRA adapter"):
+        llm.add_new_lora(str(tmp_path), "peft")

@@ -42,7 +42,9 @@ def mlx_is_available() -> bool:
     return True
 
 
-MLX_INSTALL_HINT = "pip install 'genlm-backend-ng[mlx]' (mlx[cpu] on Linux, mlx on macOS, and mlx-lm)"
+MLX_INSTALL_HINT = (
+    "pip install 'genlm-backend-ng[mlx]' (mlx[cpu] on Linux, mlx on macOS, and mlx-lm)"
+)
 
 
 class UnavailableMlxLM:

@@ -53,13 +53,20 @@ class MlxAdapters:
         config = json.loads(config_path.read_text())
         kind = config.get("fine_tune_type", "lora")
         if kind != "lora":
-            raise ValueError(f"adapter {adapter.name!r} is {kind!r}; only 'lora' adapters are served")
+            raise ValueError(
+                f"adapter {adapter.name!r} is {kind!r}; only 'lora' adapters are served"
+            )
         self._wrap((int(config["num_layers"]), dict(config["lora_parameters"])), adapter.name)
-        weights = [(k, v) for k, v in mx.load(str(weights_path)).items() if "lora_" in k]
+        loaded = mx.load(str(weights_path))
+        assert isinstance(loaded, dict), "a safetensors file loads as a dict"
+        weights = [(k, v) for k, v in loaded.items() if "lora_" in k]
         expected = {k for k, _ in self._base}
         unknown = sorted({k for k, _ in weights} - expected)
         if unknown:
             raise ValueError(f"adapter {adapter.name!r} has weights the model lacks: {unknown[:3]}")
+        # Evaluated here: MLX arrays still to be computed are bound to this thread's
+        # stream, and the batcher's worker thread computes with them.
+        mx.eval([v for _, v in weights])
         # A full set: layers the adapter leaves out keep the base's (zero) update.
         self._loaded[adapter.name] = (adapter, list((dict(self._base) | dict(weights)).items()))
 
@@ -69,10 +76,10 @@ class MlxAdapters:
 
             linear_to_lora_layers(self.model, *layout)
             self.model.eval()  # the new LoRA layers start in training mode (dropout)
+            mx.eval(self.model.parameters())  # their initial arrays, on this thread's stream
             self._layout = layout
-            self._base = [
-                (k, v) for k, v in tree_flatten(self.model.trainable_parameters()) if "lora_" in k
-            ]
+            flat: list[tuple[str, mx.array]] = tree_flatten(self.model.trainable_parameters())  # type: ignore[assignment]
+            self._base = [(k, v) for k, v in flat if "lora_" in k]
             self._installed = self._base
         elif layout != self._layout:
             raise ValueError(

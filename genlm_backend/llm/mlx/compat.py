@@ -187,7 +187,9 @@ def positional_limit(args) -> int | None:
     """Longest context a model (its ``args``) attends over in full: its position table or sliding window."""
     limits = [
         getattr(args, "max_position_embeddings", None),
-        getattr(args, "sliding_window", None) if getattr(args, "use_sliding_window", True) else None,
+        getattr(args, "sliding_window", None)
+        if getattr(args, "use_sliding_window", True)
+        else None,
     ]
     known = [int(limit) for limit in limits if limit]
     return min(known) if known else None

@@ -12,7 +12,9 @@ from genlm_backend.llm.mlx.runner import MlxRunner
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB: ~90k tokens of SmolLM2-135M keys/values in fp32
 DEFAULT_PREFILL_STEP_SIZE = 2048
 
-_CACHE_OPTS = frozenset({"move_to_cpu"})  # upstream's OutputCache options; rows are on the CPU anyway
+_CACHE_OPTS = frozenset(
+    {"move_to_cpu"}
+)  # upstream's OutputCache options; rows are on the CPU anyway
 
 
 class AsyncMlxLM(AsyncLM):

@@ -81,6 +81,9 @@ class MlxRunner:
         compat.check_attention_only(model)
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        # Weights still to be computed (a lazy load) are bound to this thread's stream;
+        # the batcher's worker thread must find them computed.
+        mx.eval(model.parameters())
         self.model = model
         self.kv_tree = kv_tree
         self.vocab_size = vocab_size
@@ -132,7 +135,9 @@ class MlxRunner:
     def close(self) -> None:
         self.clear()
 
-    def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None) -> torch.Tensor:
+    def logprobs(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
+    ) -> torch.Tensor:
         """Log-probabilities after each context, keys/values kept under ``namespace``.
 
         Runs the model as it is (activating an adapter is :meth:`run`'s job).
@@ -209,7 +214,9 @@ class MlxRunner:
             block = self._block_with_pasts(rows, num_past, num_new)
             own_start = [num_past - row.num_own_past for row in rows]
         # inputs: [B, num_new], each row's new tokens first, padding after them
-        inputs = mx.array([list(row.context[row.reused :]) + [0] * (num_new - row.num_new) for row in rows])
+        inputs = mx.array(
+            [list(row.context[row.reused :]) + [0] * (num_new - row.num_new) for row in rows]
+        )
         positions = mx.array([row.reused for row in rows], dtype=mx.int32)
         starts = mx.array(own_start, dtype=mx.int32)
         last = [row.num_new - 1 for row in rows]
@@ -217,7 +224,9 @@ class MlxRunner:
         order: list[int] = []
         for begin in range(0, num_new, self.prefill_step_size):
             end = min(num_new, begin + self.prefill_step_size)
-            forward = ForwardPass(block, num_past + begin, end - begin, positions + begin, starts, level)
+            forward = ForwardPass(
+                block, num_past + begin, end - begin, positions + begin, starts, level
+            )
             out = self._call(inputs[:, begin:end], forward)  # [B, L, D] hidden, or [B, L, V] logits
             here = [i for i, j in enumerate(last) if begin <= j < end]
             if here:
