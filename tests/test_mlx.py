@@ -144,6 +144,24 @@ async def test_particles_extended_step_by_step_cost_one_token_each(llm, tiny_fol
 
 
 @needs_mlx
+async def test_unrelated_particles_past_the_level_length_step_in_one_block(llm, tiny_folder):
+    from genlm_backend.llm.mlx.runner import MIN_LEVEL_TOKENS
+
+    model = tiny_folder[1]
+    rng = random.Random(4)
+    particles = [
+        [first] + [rng.randrange(1000) for _ in range(MIN_LEVEL_TOKENS - 4)] for first in range(4)
+    ]
+    for _ in range(8):  # grow past MIN_LEVEL_TOKENS: no particle shares a prefix with another
+        particles = [p + [rng.randrange(1000)] for p in particles]
+        rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    for particle, row in zip(particles, rows):
+        assert_exact(llm, model, particle, row)
+    # each step is one forward pass over the four rows, written into one block
+    assert llm.kv_cache.stats.num_blocks == 1
+
+
+@needs_mlx
 async def test_particles_behind_a_long_prompt_read_it_once_and_resample(llm, tiny_folder):
     from genlm_backend.llm.mlx.runner import MIN_LEVEL_TOKENS
 

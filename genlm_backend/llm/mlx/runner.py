@@ -6,9 +6,9 @@ cached prefix in a :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, runs
 the model over the remaining tokens only (rows of different lengths padded
 after their tokens and masked), and leaves the new keys/values in the tree.
 
-A cached prefix that every row of a pass continues (a prompt, at least
+A cached prefix that several rows of a batch continue (a prompt, at least
 :data:`MIN_LEVEL_TOKENS` long) stays where it is and is read once for all
-rows (:meth:`~genlm_backend.llm.mlx.kv.BatchView.attend`); each row's own
+of them (:meth:`~genlm_backend.llm.mlx.kv.BatchView.attend`); each row's own
 past is copied into the pass's block, right-aligned at one slot, or the
 pass writes in place into the block it extends (the SMC step). Several
 contexts sharing a prefix not cached yet get that prefix computed once first.
@@ -16,6 +16,7 @@ contexts sharing a prefix not cached yet get that prefix computed once first.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -145,24 +146,30 @@ class MlxRunner:
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the CPU, normalized per row.
         """
-        rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+        rows = self._plan(contexts, namespace)
         prefix = self._shared_uncached_prefix(rows, namespace)
         if prefix is not None:
-            self._compute([self._plan(0, prefix, namespace)], namespace)
-            rows = [self._plan(i, context, namespace) for i, context in enumerate(contexts)]
+            self._compute(self._plan([prefix], namespace), namespace)
+            rows = self._plan(contexts, namespace)
         return self._compute(rows, namespace)
 
-    def _plan(self, index: int, context: tuple[int, ...], namespace: Hashable) -> Row:
-        entry, shared = self.kv_tree.longest_prefix(context, namespace)
-        reused = min(shared, len(context) - 1)  # the last token must run to give logits
-        row = Row(index, context, entry if reused > 0 else None, reused if reused > 0 else 0)
-        if self.levels_enabled and row.entry is not None:
-            root = row.entry
-            while root.parent is not None:
-                root = root.parent
-            if root.length >= MIN_LEVEL_TOKENS and row.reused >= root.context_length:
+    def _plan(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Row]:
+        """Each context's cached part and its level: a cached prefix it shares with another row."""
+        rows = []
+        for index, context in enumerate(contexts):
+            entry, shared = self.kv_tree.longest_prefix(context, namespace)
+            reused = min(shared, len(context) - 1)  # the last token must run to give logits
+            rows.append(Row(index, context, entry if reused > 0 else None, max(reused, 0)))
+        if not self.levels_enabled:
+            return rows
+        roots = [_root(row) for row in rows]
+        num_rows_of = Counter(id(root) for root in roots if root is not None)
+        for row, root in zip(rows, roots):
+            # A row alone behind a prefix copies it: a level saves nothing then, and
+            # rows with levels of their own would each take a forward pass.
+            if root is not None and num_rows_of[id(root)] > 1:
                 row.level = root
-        return row
+        return rows
 
     def _shared_uncached_prefix(self, rows: list[Row], namespace: Hashable) -> tuple | None:
         """The prefix every context shares beyond its cached part, when long enough to compute once first."""
@@ -281,6 +288,18 @@ class MlxRunner:
                     block.values[layer][i, :, slot : slot + length] = values
                 slot += length
         return block
+
+
+def _root(row: Row) -> KVEntry | None:
+    """The first entry of the row's cached chain, if long enough to be a level and fully reused."""
+    if row.entry is None:
+        return None
+    root = row.entry
+    while root.parent is not None:
+        root = root.parent
+    if root.length < MIN_LEVEL_TOKENS or row.reused < root.context_length:
+        return None
+    return root
 
 
 def _passes(rows: list[Row]) -> list[list[Row]]:
