@@ -208,18 +208,8 @@ class MlxRunner:
 
     def _forward(self, rows: list[Row]) -> tuple[torch.Tensor, MlxKVBlock, list[int]]:
         """One pass over rows sharing a level: log-probabilities, the block written, each row's first slot."""
-        level = rows[0].level
         num_new = max(row.num_new for row in rows)
-        block = self._extendable_block(rows) if num_new == 1 else None
-        if block is not None:
-            first = rows[0].entry
-            assert first is not None  # an extendable block is some row's entry's
-            num_past = first.start + first.length
-            own_start = [row.entry.start for row in rows if row.entry is not None]
-        else:
-            num_past = max(row.num_own_past for row in rows)
-            block = self._block_with_pasts(rows, num_past, num_new)
-            own_start = [num_past - row.num_own_past for row in rows]
+        block, num_past, own_start = self._place(rows, num_new)
         # inputs: [B, num_new], each row's new tokens first, padding after them
         inputs = mx.array(
             [list(row.context[row.reused :]) + [0] * (num_new - row.num_new) for row in rows]
@@ -232,7 +222,7 @@ class MlxRunner:
         for begin in range(0, num_new, self.prefill_step_size):
             end = min(num_new, begin + self.prefill_step_size)
             forward = ForwardPass(
-                block, num_past + begin, end - begin, positions + begin, starts, level
+                block, num_past + begin, end - begin, positions + begin, starts, rows[0].level
             )
             out = self._call(inputs[:, begin:end], forward)  # [B, L, D] hidden, or [B, L, V] logits
             here = [i for i, j in enumerate(last) if begin <= j < end]
@@ -245,6 +235,22 @@ class MlxRunner:
         logits = selected if self._split is None else self._split[1](selected)
         self.num_tokens_computed += sum(row.num_new for row in rows)
         return _to_logprobs(logits, self.vocab_size), block, own_start
+
+    def _place(self, rows: list[Row], num_new: int) -> tuple[MlxKVBlock, int, list[int]]:
+        """The block the pass writes into, the slot its new tokens start at, and each row's first slot.
+
+        One-token steps that extend a block's rows write into it in place;
+        anything else gets a new block with each row's own past copied in.
+        """
+        block = self._extendable_block(rows) if num_new == 1 else None
+        if block is not None:
+            first = rows[0].entry
+            assert first is not None  # an extendable block is its rows' entries'
+            starts = [row.entry.start for row in rows if row.entry is not None]
+            return block, first.start + first.length, starts  # every row's past ends there
+        num_past = max(row.num_own_past for row in rows)
+        block = self._block_with_pasts(rows, num_past, num_new)
+        return block, num_past, [num_past - row.num_own_past for row in rows]
 
     def _call(self, inputs: mx.array, forward: ForwardPass) -> mx.array:
         if self._split is None:
