@@ -49,6 +49,9 @@ constraints="$work/constraints.txt"
 # 2. The backend under test.
 if [ "$backend" = "ours" ]; then
     "$python" -m pip install -q -c "$constraints" -e "$repo[test]"
+    # The test extra brings MLX, which upstream's venv lacks: with it, llamppl's suite
+    # would run on MLX instead of transformers, and upstream's own MLX tests would run.
+    "$python" -m pip uninstall -q -y mlx-lm mlx mlx-cpu
 else
     "$python" -m pip install -q -c "$constraints" "genlm-backend==0.3.1" "peft>=0.17" \
         pytest pytest-asyncio pytest-timeout hypothesis psutil

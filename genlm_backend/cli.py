@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
-        choices=("hf", "vllm", "mock"),
+        choices=("hf", "vllm", "mlx", "mock"),
         default=None,
         help="model backend (default: vllm with CUDA and vLLM installed, else hf)",
     )

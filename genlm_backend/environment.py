@@ -8,8 +8,9 @@ import importlib.metadata
 def describe_environment() -> list[tuple[str, str]]:
     """``(what, value)`` rows: available and default backend, torch device, versions, asset cache.
 
-    Imports torch (to ask for CUDA), not transformers or vLLM (their versions
-    come from the installed distributions' metadata).
+    Imports torch (to ask for CUDA) and, where installed, ``mlx.core`` (to see it
+    loads), not transformers, vLLM or mlx-lm (their versions come from the
+    installed distributions' metadata).
     """
     import torch
 
@@ -25,6 +26,8 @@ def describe_environment() -> list[tuple[str, str]]:
         ("torch", torch.__version__),
         ("transformers", distribution_version("transformers")),
         ("vllm", distribution_version("vllm")),
+        ("mlx", distribution_version("mlx")),
+        ("mlx-lm", distribution_version("mlx_lm")),
         ("asset cache", str(cache_dir())),
     ]
 

@@ -29,6 +29,7 @@ def test_info_reports_backends_versions_and_cache(capsys, monkeypatch, tmp_path)
     backends = fields["backends available"].split(", ")
     assert {"hf", "mock"} <= set(backends)
     assert ("vllm" in backends) == loader.vllm_is_available()
+    assert ("mlx" in backends) == loader.mlx_is_available()
     assert fields["torch"] == torch.__version__
     assert fields["genlm_backend"] == genlm_backend.__version__
     assert fields["transformers"] == __import__("transformers").__version__
@@ -38,6 +39,7 @@ def test_info_reports_backends_versions_and_cache(capsys, monkeypatch, tmp_path)
 
 def test_info_without_vllm(capsys, monkeypatch):
     monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
+    monkeypatch.setattr(loader, "mlx_is_available", lambda: False)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^backends available\s+hf, mock$", out, re.MULTILINE)

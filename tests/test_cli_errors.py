@@ -182,5 +182,6 @@ def test_info_offers_hf_only_with_accelerate(capsys, monkeypatch):
         lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a),
     )
     monkeypatch.setattr(loader, "vllm_is_available", lambda: False)
+    monkeypatch.setattr(loader, "mlx_is_available", lambda: False)
     assert cli.main(["info"]) == 0
     assert re.search(r"^backends available\s+mock$", capsys.readouterr().out, re.MULTILINE)

@@ -1,17 +1,17 @@
 """Language-model backends behind one contract, :class:`AsyncLM`.
 
 Backends with heavy dependencies are imported lazily: ``AsyncTransformer``
-on first use, ``AsyncVirtualLM`` only when asked for. Without vLLM,
-``AsyncVirtualLM`` is a placeholder whose construction raises
-:class:`~genlm_backend.errors.BackendNotAvailableError` with an install hint,
-so ``from genlm_backend import *`` works everywhere.
+on first use, ``AsyncVirtualLM`` and ``AsyncMlxLM`` only when asked for.
+Without vLLM (MLX), ``AsyncVirtualLM`` (``AsyncMlxLM``) is a placeholder whose
+construction raises :class:`~genlm_backend.errors.BackendNotAvailableError`
+with an install hint, so ``from genlm_backend import *`` works everywhere.
 """
 
 from genlm_backend.llm.base import AsyncLM, validate_token_ids
 from genlm_backend.llm.loader import default_backend, load_model_by_name
 from genlm_backend.llm.mock import MockAsyncLM
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.llm.unsupported import AsyncMlxLM, AsyncSGLTransformer
+from genlm_backend.llm.unsupported import AsyncSGLTransformer
 
 __all__ = [
     "AsyncLM",
@@ -40,4 +40,8 @@ def __getattr__(name):
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM
+    if name == "AsyncMlxLM":
+        from genlm_backend.llm.mlx import AsyncMlxLM
+
+        return AsyncMlxLM
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

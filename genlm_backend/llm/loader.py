@@ -11,7 +11,7 @@ from genlm_backend.llm.base import AsyncLM
 # Re-exported: documented here beside load_model_by_name; it lives in models, below mock.
 from genlm_backend.models import load_tokenizer_by_name as load_tokenizer_by_name
 
-BACKENDS = ("hf", "vllm", "mock")
+BACKENDS = ("hf", "vllm", "mlx", "mock")
 
 
 def vllm_is_available() -> bool:
@@ -27,6 +27,41 @@ def vllm_missing_error(what: str) -> BackendNotAvailableError:
     )
 
 
+def mlx_is_available() -> bool:
+    """Whether ``mlx`` (with a backend for this machine) and ``mlx_lm`` can be imported.
+
+    Imports ``mlx.core``: on Linux the ``mlx`` wheel alone installs a package
+    that fails to import without its CPU or CUDA backend (``mlx[cpu]``).
+    """
+    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        return False
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MLX_INSTALL_HINT = (
+    "pip install 'genlm-backend-ng[mlx]' (mlx[cpu] on Linux, mlx on macOS, and mlx-lm)"
+)
+
+
+class UnavailableMlxLM:
+    """Stands for ``AsyncMlxLM`` where MLX is not installed: importing works, building raises.
+
+    Raises:
+        BackendNotAvailableError: on construction and on :meth:`from_name`, with the install hint.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise BackendNotAvailableError(f"AsyncMlxLM needs MLX: {MLX_INSTALL_HINT}")
+
+    @classmethod
+    def from_name(cls, *args, **kwargs):
+        return cls()
+
+
 def hf_is_available() -> bool:
     """Whether transformers and accelerate (needed to convert ``.gguf`` files) can be imported."""
     return all(
@@ -36,7 +71,7 @@ def hf_is_available() -> bool:
 
 def available_backends() -> list[str]:
     """The backends this installation can run, sorted."""
-    optional = {"hf": hf_is_available(), "vllm": vllm_is_available()}
+    optional = {"hf": hf_is_available(), "vllm": vllm_is_available(), "mlx": mlx_is_available()}
     return sorted(["mock", *(name for name, present in optional.items() if present)])
 
 
@@ -73,7 +108,7 @@ def load_model_by_name(
             for the default model (SmolLM2-135M-Instruct from PyPI), or
             ``genlm://HOST:PORT`` for a ``genlm-backend serve`` server (a
             :class:`~genlm_backend.serve.RemoteLM`; ``backend`` is then ignored).
-        backend: ``"hf"``, ``"vllm"`` or ``"mock"``; ``None`` picks
+        backend: ``"hf"``, ``"vllm"``, ``"mlx"`` or ``"mock"``; ``None`` picks
             :func:`default_backend`.
         llm_opts: Keyword arguments for the backend's ``from_name``.
 
@@ -104,4 +139,10 @@ def load_model_by_name(
         from genlm_backend.llm.vllm import AsyncVirtualLM
 
         return AsyncVirtualLM.from_name(name, **llm_opts)
+    if backend == "mlx":
+        if not mlx_is_available():
+            raise BackendNotAvailableError(f"the mlx backend needs MLX: {MLX_INSTALL_HINT}")
+        from genlm_backend.llm.mlx.model import AsyncMlxLM
+
+        return AsyncMlxLM.from_name(name, **llm_opts)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

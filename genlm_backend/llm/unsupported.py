@@ -1,7 +1,7 @@
-"""Names of upstream genlm-backend's Apple MLX and SGLang backends, which genlm_backend does not provide.
+"""The name of upstream genlm-backend's SGLang backend, which genlm_backend does not provide.
 
-They exist so that code importing them (``from genlm.backend.llm import
-AsyncMlxLM``, as llamppl does) imports; using them raises.
+It exists so that code importing it (``from genlm.backend.llm import
+AsyncSGLTransformer``) imports; using it raises.
 """
 
 from __future__ import annotations
@@ -24,12 +24,6 @@ class _UnsupportedBackend:
     def from_name(cls, *args, **kwargs):
         """Raises :class:`BackendNotAvailableError`, as the constructor does."""
         return cls()
-
-
-class AsyncMlxLM(_UnsupportedBackend):
-    """Upstream's Apple MLX backend: not provided (raises on construction and ``from_name``)."""
-
-    backend_name = "MLX"
 
 
 class AsyncSGLTransformer(_UnsupportedBackend):
