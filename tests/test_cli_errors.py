@@ -87,7 +87,7 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, short_context_mock)
     monkeypatch.setattr(demo, "importance_sample", interrupted)
     assert cli.main(["demo", "--prompt", "Hi", "--no-progress"]) == 130
     assert capsys.readouterr().err == "genlm-backend demo: interrupted\n"
-    assert short_context_mock._is_closed  # closed on the way out
+    assert short_context_mock.is_closed  # closed on the way out
 
 
 def _default_sigint() -> None:

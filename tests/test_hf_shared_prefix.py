@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from genlm_backend.cache.kv_block import KVBlock
 from genlm_backend.llm.hf import AsyncTransformer
 from genlm_backend.llm.hf.attention import (
     Cascade,
@@ -22,7 +23,6 @@ from genlm_backend.llm.hf.attention import (
     math_attention_with_lse,
     prefix_attention_with_lse,
 )
-from genlm_backend.llm.hf.kv_block import KVBlock
 from genlm_backend.llm.hf.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
@@ -360,7 +360,7 @@ def test_cuda_attention_with_lse_equals_the_reference(cuda_path, dtype, with_mas
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_runner_long_prompt_particles_match_uncached_forward(cuda_path, dtype):
-    from genlm_backend.llm.hf.kv_tree import KVPrefixTree
+    from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf.runner import HFRunner
     from tests.conftest import build_tiny_llama
 
@@ -387,7 +387,7 @@ def test_cuda_runner_long_prompt_particles_match_uncached_forward(cuda_path, dty
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_runner_random_workloads_with_every_piece_a_level_match(cuda_path, build, seed):
     """Extensions, siblings, prefixes and fresh contexts on CUDA, every cached piece read as a level."""
-    from genlm_backend.llm.hf.kv_tree import KVPrefixTree
+    from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf.runner import HFRunner
     from tests import conftest
 

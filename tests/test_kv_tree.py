@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.llm.hf.kv_tree import KVBlock, KVEntry, KVPrefixTree, Placement
-from genlm_backend.llm.hf.plan import extendable_block
-from genlm_backend.llm.hf.token_trie import NUM_RECENT_CONTEXTS
+from genlm_backend.cache.kv_block import extendable_block
+from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree, Placement
+from genlm_backend.cache.token_trie import NUM_RECENT_CONTEXTS
 
 NUM_LAYERS = 2
 

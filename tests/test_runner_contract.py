@@ -27,7 +27,7 @@ def make_mock(tokenizer, tmp_path_factory):
 
 
 def make_hf(tokenizer, tmp_path_factory):
-    from genlm_backend.llm.hf.kv_tree import KVPrefixTree
+    from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf.runner import HFRunner
 
     runner = HFRunner(build_tiny_gpt2(len(tokenizer)), KVPrefixTree(1 << 30), len(tokenizer))

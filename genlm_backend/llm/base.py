@@ -185,6 +185,11 @@ class AsyncLM:
         return self.batchers.stats()
 
     @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`aclose` was called (later calls raise :class:`BackendClosedError`)."""
+        return self._core.is_closed
+
+    @property
     def stats(self) -> LMStats:
         """A snapshot of the counters (requests, batches, tokens requested and computed, bytes held)."""
         return self._core.stats

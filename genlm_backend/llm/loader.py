@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 from genlm_backend.errors import BackendNotAvailableError
@@ -30,13 +31,14 @@ def vllm_missing_error(what: str) -> BackendNotAvailableError:
 def mlx_is_available() -> bool:
     """Whether ``mlx`` (with a backend for this machine) and ``mlx_lm`` can be imported.
 
-    Imports ``mlx.core``: on Linux the ``mlx`` wheel alone installs a package
-    that fails to import without its CPU or CUDA backend (``mlx[cpu]``).
+    Imports ``mlx.core`` by name (a probe, as :func:`vllm_is_available` finds
+    vLLM's spec): on Linux the ``mlx`` wheel alone installs a package that
+    fails to import without its CPU or CUDA backend (``mlx[cpu]``).
     """
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         return False
     try:
-        import mlx.core  # noqa: F401
+        importlib.import_module("mlx.core")
     except ImportError:
         return False
     return True

@@ -37,10 +37,14 @@ class RecordingTransformer(AsyncTransformer):
         super().__init__(*args, **kwargs)
         self.faults = faults
         self.batches: list[tuple[list[tuple[int, ...]], int]] = []
+        run = self.runner.run
 
-    def _process_batch(self, requests):
-        self.batches.append(([request.context for request in requests], self.faults.num_forwards))
-        return super()._process_batch(requests)
+        def recorded_run(requests):
+            contexts = [request.context for request in requests]
+            self.batches.append((contexts, self.faults.num_forwards))
+            return run(requests)
+
+        self.runner.run = recorded_run
 
     def errors_of_failed_forwards(
         self, planned: dict[int, BaseException]

@@ -4,8 +4,10 @@
 * ``runner``: :class:`~genlm_backend.llm.hf.runner.HFRunner`, a batch of requests in, ``[B, V]`` out;
 * ``plan``: the batch plan, a value: which cached pieces each row reads in place or copies;
 * ``attention``: attention that reads each shared level once and merges by log-sum-exp;
-* ``kv_block``, ``kv_tree``, ``token_trie``: keys/values held in blocks, found by prefix;
 * ``compat``, ``adapters``: transformers and peft internals, version-checked.
+
+Keys/values live in the backend-neutral KV prefix tree
+(:mod:`genlm_backend.cache.kv_tree`), which the MLX backend shares.
 
 Importing this package imports no transformers: :class:`AsyncTransformer` loads on first use.
 """

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genlm_backend.llm.hf.kv_block import KVBlock
+from genlm_backend.cache.kv_block import KVBlock
 
 _MATH_CHUNK_SCORES = 1 << 24
 """Most attention scores the plain-product path holds at once (64 MiB of float32)."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM
 from genlm_backend.llm.hf.compat import attention_window, max_positions
-from genlm_backend.llm.hf.kv_tree import KVPrefixTree
 from genlm_backend.llm.hf.runner import HFRunner
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB: ~90k tokens of SmolLM2-135M keys/values in fp32
@@ -16,7 +16,7 @@ class AsyncTransformer(AsyncLM):
     """Next-token log-probabilities from a transformers causal LM, auto-batched, prefix-cached.
 
     Every context the model runs leaves its keys/values in a
-    :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree` (under the request's
+    :class:`~genlm_backend.cache.kv_tree.KVPrefixTree` (under the request's
     adapter): a later request that extends or branches off it runs the model
     over the new tokens only. No call to :meth:`cache_kv` is needed. Results
     are on the model's device. LoRA adapters (peft) are chosen per request

@@ -14,7 +14,7 @@ own past, ``K`` = most new tokens)::
 
 A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
-(:func:`extendable_block`): the SMC step, with no copy at all.
+(:func:`~genlm_backend.cache.kv_block.extendable_block`): the SMC step, with no copy at all.
 
 A context that is a prefix of another context of the batch, whose row
 computes the position after it, is not a row of its own: its next-token
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from genlm_backend.cache.kv_block import KVBlock, KVEntry, Placement, extendable_block
 from genlm_backend.llm.hf.attention import Level
-from genlm_backend.llm.hf.kv_block import KVBlock, KVEntry, Placement
 
 Piece = tuple[KVEntry, int]
 """The first ``n`` slots of an entry's own span."""
@@ -246,35 +246,6 @@ def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, .
         levels, own = tuple(chain[:num_levels]), tuple(chain[num_levels:])
         rows.append(RowPlan(lookup.context, lookup.reused, levels, own, found))
     return tuple(rows)
-
-
-def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
-    """The block a batch of one-token steps may write into in place, or ``None``.
-
-    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-    row ``i`` extends, by one token, the whole context of an entry held
-    by row ``i`` of one block; those entries' spans all end at the same
-    slot, which is their row's last written slot (so the slot written now
-    belongs to no other entry), and a free slot is left. That is the SMC
-    step without resampling; anything else is copied into a new block.
-    """
-    first = steps[0][0] if steps else None
-    if first is None:
-        return None
-    block, end = first.block, first.start + first.length
-    if block.num_rows != len(steps) or end >= block.num_slots:
-        return None
-    for i, (entry, reused) in enumerate(steps):
-        if (
-            entry is None
-            or entry.block is not block
-            or entry.row != i
-            or reused != entry.context_length
-            or entry.start + entry.length != end
-            or block.row_ends[i] != end
-        ):
-            return None
-    return block
 
 
 def shared_uncached_prefixes(

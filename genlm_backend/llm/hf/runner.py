@@ -2,7 +2,7 @@
 
 No asyncio here: :meth:`HFRunner.logprobs` takes distinct contexts and
 returns a ``[B, V]`` tensor. For each context it looks up the longest cached
-prefix in a :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree`, runs the model
+prefix in a :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, runs the model
 over the remaining tokens only, and leaves the new keys/values in the tree.
 
 Cached prefixes shared by rows (a long prompt in front of every particle)
@@ -24,6 +24,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree
 from genlm_backend.llm.hf import plan as layout
 from genlm_backend.llm.hf.adapters import PeftAdapters
 from genlm_backend.llm.hf.attention import Cascade
@@ -37,7 +38,6 @@ from genlm_backend.llm.hf.compat import (
     max_positions,
     shared_levels_unsupported,
 )
-from genlm_backend.llm.hf.kv_tree import KVBlock, KVPrefixTree
 from genlm_backend.llm.hf.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
 from genlm_backend.llm.runner import (
     Adapter,
@@ -336,7 +336,7 @@ class HFRunner:
     def _block_with_pasts(self, plan: PassPlan) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         num_past, num_new = plan.num_past, plan.num_new
-        # One-token steps get spare slots, so the next steps can write in place (see plan.extendable_block).
+        # One-token steps get spare slots, so the next steps can write in place (see kv_block.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
         num_slots = min(num_past + num_new + num_spare, self._max_positions)
         num_layers = self._static_cache.num_layers

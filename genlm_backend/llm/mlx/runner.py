@@ -24,11 +24,20 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from genlm_backend.cache.kv_block import extendable_block
 from genlm_backend.cache.kv_tree import KVEntry, KVPrefixTree, Placement
 from genlm_backend.llm.mlx import compat
 from genlm_backend.llm.mlx.adapters import MlxAdapters
 from genlm_backend.llm.mlx.kv import ForwardPass, KVLayout, MlxKVBlock, span
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats, fit_to_vocab, group_by_adapter
+from genlm_backend.llm.runner import (
+    Adapter,
+    Request,
+    RunnerStats,
+    ScoreRequest,
+    fit_to_vocab,
+    group_by_adapter,
+    score_from_rows,
+)
 
 MIN_LEVEL_TOKENS = 32
 """Shortest shared prefix read in place by every row; a shorter one is copied into each row."""
@@ -107,6 +116,10 @@ class MlxRunner:
         """A request's cost against the batch token budget: the part of its context not cached yet (an estimate)."""
         cached = self.kv_tree.cached_length(request.context, request.adapter)
         return max(1, len(request.context) - cached)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores gathered from the rows of each continuation's prefixes (computed in one batch)."""
+        return score_from_rows(self.run, requests)
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         """``[len(requests), vocab_size]`` float32 log-probabilities on the CPU."""
@@ -267,13 +280,13 @@ class MlxRunner:
             )
 
     def _extendable_block(self, rows: list[Row]) -> MlxKVBlock | None:
-        """The block every row extends by one token in place, if any (see ``KVPrefixTree.extendable_block``)."""
+        """The block every row extends by one token in place, if any (see :func:`~genlm_backend.cache.kv_block.extendable_block`)."""
         level = rows[0].level
         for row in rows:
             entry = row.entry
             if entry is None or entry is level or entry.parent is not level:
                 return None
-        block = self.kv_tree.extendable_block([(row.entry, row.reused) for row in rows])
+        block = extendable_block([(row.entry, row.reused) for row in rows])
         return block if isinstance(block, MlxKVBlock) else None
 
     def _block_with_pasts(self, rows: list[Row], num_past: int, num_new: int) -> MlxKVBlock:

@@ -1,8 +1,8 @@
 """A prefix tree of reusable keys/values, within a byte budget. Calls no model.
 
-Keys and values live in :class:`~genlm_backend.llm.hf.kv_block.KVBlock`\\ s,
+Keys and values live in :class:`~genlm_backend.cache.kv_block.KVBlock`\\ s,
 one per model batch; a cached context is a
-:class:`~genlm_backend.llm.hf.kv_block.KVEntry`, which may continue a parent
+:class:`~genlm_backend.cache.kv_block.KVEntry`, which may continue a parent
 entry (a shared prompt is then held once). Because attention keys/values of
 a prefix do not depend on what follows it, an entry also serves every prefix
 of its context: a request whose context extends, or branches off, a cached
@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
-from genlm_backend.llm.hf.kv_block import (
+from genlm_backend.cache.kv_block import (
     KVBlock,
     KVCacheStats,
     KVEntry,
     Placement,
 )
-from genlm_backend.llm.hf.token_trie import TokenTrie, TrieNode
+from genlm_backend.cache.token_trie import TokenTrie, TrieNode
 
 __all__ = ["KVBlock", "KVCacheStats", "KVEntry", "KVPrefixTree", "Placement"]
 
@@ -222,7 +222,7 @@ class KVPrefixTree:
 
         A new block is first made room for (see :meth:`reserve`); if
         it does not fit, nothing is kept and ``False`` is returned. Records
-        where each row's written slots end, which :func:`~genlm_backend.llm.hf.plan.extendable_block`
+        where each row's written slots end, which :func:`~genlm_backend.cache.kv_block.extendable_block`
         relies on.
         """
         pinned = [p.parent for p in placements if p.parent is not None]

@@ -71,7 +71,7 @@ class KVEntry:
     ``[start, start + length)``; tokens ``[0, offset)`` are the first
     ``offset`` tokens of ``parent`` (``None`` when ``offset`` is 0). A parent
     stays cached while it has dependents (see
-    :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree`).
+    :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`).
     """
 
     block: KVBlock
@@ -153,3 +153,32 @@ class Placement:
     start: int
     offset: int = 0
     parent: KVEntry | None = None
+
+
+def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
+    """The block a batch of one-token steps may write into in place, or ``None``.
+
+    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
+    row ``i`` extends, by one token, the whole context of an entry held
+    by row ``i`` of one block; those entries' spans all end at the same
+    slot, which is their row's last written slot (so the slot written now
+    belongs to no other entry), and a free slot is left. That is the SMC
+    step without resampling; anything else is copied into a new block.
+    """
+    first = steps[0][0] if steps else None
+    if first is None:
+        return None
+    block, end = first.block, first.start + first.length
+    if block.num_rows != len(steps) or end >= block.num_slots:
+        return None
+    for i, (entry, reused) in enumerate(steps):
+        if (
+            entry is None
+            or entry.block is not block
+            or entry.row != i
+            or reused != entry.context_length
+            or entry.start + entry.length != end
+            or block.row_ends[i] != end
+        ):
+            return None
+    return block

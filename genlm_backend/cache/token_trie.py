@@ -1,4 +1,4 @@
-"""The token trie under :class:`~genlm_backend.llm.hf.kv_tree.KVPrefixTree`: a node per cached token position.
+"""The token trie under :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`: a node per cached token position.
 
 A context's node is reached from its namespace's root by one child per
 token. Walking a 4,000-token prompt token by token on every SMC step would
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from genlm_backend.llm.hf.kv_block import KVEntry
+from genlm_backend.cache.kv_block import KVEntry
 
 NUM_RECENT_CONTEXTS = 1024
 """Inserted contexts whose nodes a :class:`TokenTrie` remembers (plus those others continue)."""
