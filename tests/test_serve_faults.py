@@ -47,28 +47,38 @@ def gated_server():
 
 
 def test_requests_of_different_clients_share_one_batch(gated_server):
-    """While batch 1 computes, two client processes queue 8 rows each: batch 2 holds all 16."""
+    """While batch 1 computes, two client processes send 8 rows each: batch 2 holds all 16.
+
+    The server waits for the first client to come back (it just answered it) until
+    that client closes: then it knows the client has left, and lets the others go.
+    """
     script = (
         "import sys; from genlm_backend.serve import RemoteLM\n"
         "lm = RemoteLM(sys.argv[1])\n"
         "rows = lm.batch_next_token_logprobs_sync([[int(sys.argv[2]), t] for t in range(8)])\n"
         "print('rows', tuple(rows.shape), flush=True)\n"
     )
-    with RemoteLM(gated_server.url) as first:
-        thread, _ = in_thread(first.next_token_logprobs_sync, [1])
+    first = RemoteLM(gated_server.url)
+    try:
+        thread, outcome = in_thread(first.next_token_logprobs_sync, [1])
         gated_server.wait_for("batch started: 1 rows")
         clients = [ServerProcess(["-c", script, gated_server.url, str(i)]) for i in (2, 3)]
         try:
-            # Both clients' contexts are in the server's batcher (validated and submitted).
-            wait_until(lambda: first.server_stats()[0].num_requests == 1 + 16, timeout_s=60)
+            # Both clients' requests are on the server, held until the first client's batch is done.
+            wait_until(lambda: first.server_stats()[1].num_in_flight == 3, timeout_s=60)
             gated_server.open_gate(2)
+            thread.join(timeout=10)
+            assert outcome["result"].shape == (256,)
+            first.close()
             gated_server.wait_for("batch started: 16 rows")
             for client in clients:
                 client.wait_for(r"rows \(8, 256\)")
         finally:
             for client in clients:
                 client.stop()
-        thread.join(timeout=10)
+    finally:
+        first.close()
+    assert gated_server.output.count("batch started") == 2
 
 
 def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
@@ -82,7 +92,7 @@ def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
         gated_server.wait_for("batch started: 1 rows")
         leaving = ServerProcess(["-c", script, gated_server.url])
         try:
-            wait_until(lambda: survivor.server_stats()[0].num_requests == 1 + 3, timeout_s=60)
+            wait_until(lambda: survivor.server_stats()[1].num_in_flight == 2, timeout_s=60)
             leaving.process.kill()
             gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
         finally:
@@ -142,7 +152,7 @@ def test_a_signal_fails_pending_requests_clearly_and_stops_the_server(gated_serv
         first, first_outcome = in_thread(computing.next_token_logprobs_sync, [1])
         gated_server.wait_for("batch started: 1 rows")
         second, second_outcome = in_thread(queued.next_token_logprobs_sync, [2])
-        wait_until(lambda: computing.server_stats()[0].num_requests == 2)
+        wait_until(lambda: computing.server_stats()[1].num_in_flight == 2)
         gated_server.send_signal(sig)
         first.join(timeout=ERROR_DEADLINE_S)
         second.join(timeout=ERROR_DEADLINE_S)
