@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 
@@ -54,10 +54,14 @@ class StepGather:
 
     Used on one event loop. Each request calls :meth:`admit` before its
     model work and :meth:`answered` after it (in a ``finally``); a client
-    that goes away is :meth:`forget`\\ ten.
+    that goes away is dropped with :meth:`forget`.
+
+    Args:
+        clock: Seconds, to time groups (``None``: the event loop's clock).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
         self._held: list[tuple[Hashable, asyncio.Future]] = []
         self._computing: Counter[Hashable] = Counter()
         self._expected: set[Hashable] = set()
@@ -104,9 +108,8 @@ class StepGather:
             if is_expected_back and not any(held == client for held, _ in self._held):
                 self._expected.add(client)
         if not self._computing:
-            loop = asyncio.get_running_loop()
-            self._last_group_s = loop.time() - self._group_started_at
-            self._arm_give_up(loop)
+            self._last_group_s = max(0.0, self._now() - self._group_started_at)
+            self._arm_give_up()
         self._release_if_ready()
 
     def forget(self, client: Hashable) -> None:
@@ -114,10 +117,14 @@ class StepGather:
         self._expected.discard(client)
         self._release_if_ready()
 
-    def _arm_give_up(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time() if self._clock is None else self._clock()
+
+    def _arm_give_up(self) -> None:
         """Stop waiting for the clients expected back once they take longer than the last group."""
         if self._give_up is not None:
             self._give_up.cancel()
+        loop = asyncio.get_running_loop()
         self._give_up = loop.call_later(self._last_group_s, self._on_give_up)
 
     def _on_give_up(self) -> None:
@@ -137,7 +144,7 @@ class StepGather:
         held, self._held = [(c, f) for c, f in self._held if not f.cancelled()], []
         if not held:
             return
-        self._group_started_at = asyncio.get_running_loop().time()
+        self._group_started_at = self._now()
         self._counts["groups"] += 1
         self._counts["requests"] += len(held)
         for client, future in held:

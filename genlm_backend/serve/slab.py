@@ -24,6 +24,7 @@ the guard against reading unmapped memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -132,8 +133,12 @@ class Slab:
         return flat.reshape(num_rows, self.vocab_size)
 
     def unlink(self) -> None:
-        """Remove the segment's name (the client's, once the server mapped it); mappings stay valid."""
-        self._shm.unlink()
+        """Remove the segment's name (the client's, once the server mapped it); mappings stay valid.
+
+        Idempotent.
+        """
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
 
     def close(self) -> None:
         """Unmap this side's view. Idempotent."""
