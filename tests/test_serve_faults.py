@@ -139,11 +139,13 @@ def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_serve
         with pytest.raises(ServerUnavailableError, match="no answer in time"):
             client.next_token_logprobs_sync([3])
         assert time.monotonic() - started < ERROR_DEADLINE_S
+        assert client.runner.slab_name is None  # the server may still write into it: dropped
         # The client gave up and closed its connection: the server cancels the request.
         gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
         gated_server.open_gate()
         gated_server.wait_for("batch started: 1 rows")
         assert client.next_token_logprobs_sync([3]).shape == (256,)  # cached by the first batch
+        assert client.runner.slab_name is not None  # a new slab
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -174,6 +176,10 @@ def test_a_token_is_required_when_set():
             RemoteLM(server.url, token="guess")
         with RemoteLM(server.url, token="s3cret") as lm:
             assert lm.next_token_logprobs_sync([1]).shape == (256,)
+            assert lm.runner.slab_name is not None  # the slab's offer carried the token too
+        offer = protocol.encode_slab_offer("client", "genlm-serve-x", bytes(16), 1)
+        with urllib3.connection_from_url(server.url, timeout=10, retries=False) as raw:
+            assert raw.request("POST", "/v1/session", body=offer).status == 401
         env_client = "from genlm_backend.serve import RemoteLM; import sys; RemoteLM(sys.argv[1])"
         client = ServerProcess(
             ["-c", env_client + "; print('ok')", server.url],
@@ -210,6 +216,12 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
             def logprobs(contexts) -> urllib3.BaseHTTPResponse:
                 return post(protocol.encode_logprobs_request(contexts, [None] * len(contexts)))
 
+            def offer(body: bytes) -> urllib3.BaseHTTPResponse:
+                return raw.request("POST", "/v1/session", body=body)
+
+            def slab_offer(capacity_rows: int = 1, name: str = "genlm-serve-none") -> bytes:
+                return protocol.encode_slab_offer("client", name, bytes(16), capacity_rows)
+
             cases = [
                 (
                     logprobs([[1]] * 5),
@@ -221,10 +233,15 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
                 (post(b"\xc1garbage"), 400, "not msgpack"),
                 (post(protocol.pack({"lengths": [2], "ids": b"\0" * 4})), 400, "lora_names"),
                 (logprobs([[256]]), 400, "outside the vocabulary"),
+                (offer(b"\xc1garbage"), 400, "not msgpack"),
+                (offer(protocol.pack({"client": "c", "name": 1})), 400, "'name' (str)"),
+                (offer(slab_offer(capacity_rows=5)), 413, "a slab of 5 rows"),
             ]
             for response, status, message in cases:
                 assert response.status == status
                 assert message in protocol.unpack(response.data)["message"]
+            refused = protocol.unpack(offer(slab_offer()).data)  # not an error: an answer
+            assert not refused["accepted"] and "cannot open shared memory" in refused["reason"]
         with RemoteLM(server.url) as lm:
             assert lm.max_context_length == 8
             with pytest.raises(ValueError, match="more than the model's context of 8"):
