@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -40,39 +40,17 @@ from genlm_backend.serve.asgi import (
     send_open_answer,
     wait_for_disconnect,
 )
+from genlm_backend.serve.endpoints import model_routes
 from genlm_backend.serve.gather import StepGather
 from genlm_backend.serve.info import model_info
 from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
 from genlm_backend.serve.sessions import SlabSessions
 from genlm_backend.serve.slab import SlabRefused
+from genlm_backend.serve.stats import ServeStats
+
+__all__ = ["Log", "ServeApp", "ServeStats"]
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ServeStats:
-    """A snapshot of a server's own counters (the model's are its ``AsyncLM``'s ``stats``)."""
-
-    num_requests: int
-    """``/v1/logprobs`` requests received (each is one client round trip)."""
-    num_rows_served: int
-    """Rows sent back."""
-    num_rejected: int
-    """Requests answered with an error (bad input, over a limit, wrong token, model error)."""
-    num_cancelled_by_disconnect: int
-    """Requests whose client went away before the answer."""
-    num_failed_by_shutdown: int
-    """Requests failed because the server was shutting down."""
-    num_in_flight: int
-    """``/v1/logprobs`` requests received and not yet answered."""
-    num_shared_memory_clients: int = 0
-    """Open slab sessions: clients whose rows go through shared memory now."""
-    num_rows_in_shared_memory: int = 0
-    """Rows written into clients' slabs (the others went in answer bodies)."""
-    num_groups: int = 0
-    """Groups of requests the step gather let through together."""
-    num_waits_given_up: int = 0
-    """Times a group went without a client it was waiting for (see ``serve.gather``)."""
 
 
 class ServeApp:
@@ -110,12 +88,7 @@ class ServeApp:
         self.gather = StepGather()
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
-        self._routes: dict[tuple[str, str], Callable[[bytes], Awaitable[tuple[bytes, str]]]] = {
-            ("GET", "/v1/info"): self._get_info,
-            ("GET", "/v1/stats"): self._get_stats,
-            ("POST", "/v1/lora"): self._post_lora,
-            ("POST", "/v1/clear"): self._post_clear,
-        }
+        self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))
 
     @property
     def stats(self) -> ServeStats:
@@ -195,15 +168,15 @@ class ServeApp:
 
     async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
         self._counts["requests"] += 1
+        body = await read_body(scope, receive, self.limits.max_body_bytes)
+        try:
+            request = protocol.decode_logprobs_request(body, self.limits)
+        except RequestTooLargeError as exc:
+            raise Reject("RequestTooLarge", str(exc)) from None
+        except ValueError as exc:
+            raise Reject("ValueError", str(exc)) from None
         self._num_logprobs_in_flight += 1
         try:
-            body = await read_body(scope, receive, self.limits.max_body_bytes)
-            try:
-                request = protocol.decode_logprobs_request(body, self.limits)
-            except RequestTooLargeError as exc:
-                raise Reject("RequestTooLarge", str(exc)) from None
-            except ValueError as exc:
-                raise Reject("ValueError", str(exc)) from None
             rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
         finally:
             self._num_logprobs_in_flight -= 1
@@ -301,37 +274,6 @@ class ServeApp:
         self._log(f"client {host}:{port} went away: its request was cancelled")
         raise ClientGone
 
-    async def _get_info(self, body: bytes) -> tuple[bytes, str]:
-        info = {**self.info, "adapters": _adapter_paths(self.lm)}
-        return protocol.pack(info), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _get_stats(self, body: bytes) -> tuple[bytes, str]:
-        lm_stats = asdict(self.lm.stats)
-        return protocol.pack(
-            {"lm": lm_stats, "server": asdict(self.stats)}
-        ), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _post_lora(self, body: bytes) -> tuple[bytes, str]:
-        fields = protocol.unpack(body)
-        op, name, path = fields.get("op"), fields.get("name"), fields.get("path", "")
-        if not (isinstance(name, str) and isinstance(path, str)):
-            raise ValueError("malformed request body: 'name' and 'path' must be strings")
-        if op == "add":
-            await asyncio.to_thread(self.lm.add_new_lora, path, name)
-        elif op == "remove":
-            await asyncio.to_thread(self.lm.remove_lora, name)
-        else:
-            raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
-        return protocol.pack({"adapters": _adapter_paths(self.lm)}), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _post_clear(self, body: bytes) -> tuple[bytes, str]:
-        what = protocol.unpack(body).get("what")
-        if what not in ("all", "kv"):
-            raise ValueError(f"malformed request body: 'what' must be 'all' or 'kv', got {what!r}")
-        clear = self.lm.clear_cache if what == "all" else self.lm.clear_kv_cache
-        await asyncio.to_thread(clear)
-        return protocol.pack({}), protocol.MSGPACK_CONTENT_TYPE
-
     # ------------------------------------------------------------------ shutdown
 
     async def begin_shutdown(self, reason: str, grace_s: float = 5.0) -> None:
@@ -378,7 +320,3 @@ async def _first_of(*waits: Awaitable) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
-    return {name: adapter.path for name, adapter in lm.adapters.registered().items()}
