@@ -113,10 +113,13 @@ class Slab:
 
     def write(self, rows: torch.Tensor) -> None:
         """Copy ``rows`` (float32 ``[n, vocab_size]``, any device, ``n <= capacity_rows``) into the slab."""
-        num_rows = rows.shape[0]
-        # rows: [n, V]
-        target = torch.from_numpy(self._view(num_rows))
-        target.copy_(rows)
+        target = self._view(rows.shape[0])  # [n, V]
+        if rows.device.type == "cpu":
+            # numpy's copy runs in this thread: torch's would start its OpenMP team for
+            # a memcpy, which waits for cores the model's threads hold.
+            np.copyto(target, rows.detach().numpy())
+        else:
+            torch.from_numpy(target).copy_(rows)
         del target
 
     def read(self, num_rows: int) -> torch.Tensor:
