@@ -61,9 +61,8 @@ class RemoteRunner:
         token = os.environ.get(TOKEN_ENV) if token is None else token
         self._headers = {protocol.TOKEN_HEADER: f"Bearer {token}"} if token else {}
         self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
-        self._http = self._pool(
-            maxsize=2
-        )  # the model's worker thread, a caller's for stats or LoRA
+        # Two connections: the model's worker thread's, and a caller's (stats, adapters).
+        self._http = self._pool(maxsize=2)
         self.client_id = secrets.token_hex(16)
         """Sent with every batch: the server's step gather knows this client by it."""
         self.model_id: str | None = None
