@@ -7,6 +7,8 @@ one ``next_token_logprobs`` per particle per step, seeded) from a shared
 * **in-process**: one process, one ``AsyncTransformer``, 4P particles;
 * **served**: one ``genlm-backend serve`` process, 4 client processes of P
   particles each (``RemoteLM``), started together on a "go" line;
+* **served, before** (with ``--baseline-tree PATH``, a checkout of an earlier
+  version): the same, server and clients running that checkout's code;
 * **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
 
 Time is from "go" to the last process done (model loading excluded, warm-up
@@ -17,9 +19,12 @@ machine a second OpenMP thread makes every small tensor operation wait). Memory 
 (``VmHWM``) summed over the processes of a setup. Then, against the served
 model, the round trip of one batch of 1, 16 and 64 rows the server already
 holds in its output cache (so no model work: the transport and both
-sides' bookkeeping), against the same batch from an in-process output cache.
+sides' bookkeeping), through the client's shared-memory slab and in the
+answer's body (``shared_memory=False``), against the same batch from an
+in-process output cache, in turns.
 
-    python benchmarks/bench_serve.py [--particles 16] [--steps 16] [--plot benchmarks/serve.png]
+    python benchmarks/bench_serve.py [--particles 16] [--steps 16] [--runs 3]
+        [--baseline-tree PATH] [--setups ...] [--plot benchmarks/serve.png]
 """
 
 from __future__ import annotations
@@ -80,14 +85,15 @@ def worker(args: argparse.Namespace) -> None:
     llm.close()
 
 
-def start(argv: list[str]) -> subprocess.Popen:
+def start(argv: list[str], tree: Path = REPO) -> subprocess.Popen:
+    """``python ARGV`` running the code of checkout ``tree``."""
     return subprocess.Popen(
         [sys.executable, *argv],
-        cwd=REPO,
+        cwd=tree,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={"PYTHONPATH": str(REPO), **_environ()},
+        env={**_environ(), "PYTHONPATH": str(tree)},
     )
 
 
@@ -104,9 +110,9 @@ def wait_line(process: subprocess.Popen, prefix: str) -> str:
     raise RuntimeError(f"process {process.args} ended before {prefix!r}")
 
 
-def run_group(workers: list[list[str]]) -> tuple[float, list[dict]]:
+def run_group(workers: list[list[str]], tree: Path = REPO) -> tuple[float, list[dict]]:
     """Start workers, wait until all are ready, say go; (wall seconds, their results)."""
-    processes = [start(argv) for argv in workers]
+    processes = [start(argv, tree) for argv in workers]
     for process in processes:
         wait_line(process, "ready")
     started = time.perf_counter()
@@ -121,9 +127,15 @@ def run_group(workers: list[list[str]]) -> tuple[float, list[dict]]:
 
 
 def worker_argv(
-    particles: int, steps: int, seed: int, url: str | None = None, threads: int | None = None
+    particles: int,
+    steps: int,
+    seed: int,
+    url: str | None = None,
+    threads: int | None = None,
+    tree: Path = REPO,
 ) -> list[str]:
-    argv = [__file__, "--role", "worker", "--particles", str(particles), "--steps", str(steps)]
+    script = str(tree / "benchmarks" / "bench_serve.py")
+    argv = [script, "--role", "worker", "--particles", str(particles), "--steps", str(steps)]
     argv += ["--seed", str(seed)] + (["--url", url] if url else [])
     return argv + (["--threads", str(threads)] if threads else [])
 
@@ -131,55 +143,61 @@ def worker_argv(
 # ---------------------------------------------------------------- round trip
 
 
-def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, float]]:
-    """rows -> (served ms, in-process ms) for one batch of rows held in an output cache.
+def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, float, float]]:
+    """rows -> (served through shared memory, served in answer bodies, in-process) ms per batch.
 
-    Both in this process, with ``threads`` torch threads (no model work runs).
+    One batch of rows held in an output cache: the server's for the served
+    clients (theirs is off), the model's own in-process. All in this process,
+    with ``threads`` torch threads (no model work runs).
     """
     import torch
 
     from genlm_backend import load_model_by_name
-
-    torch.set_num_threads(threads)
     from genlm_backend.serve import RemoteLM
 
-    remote = RemoteLM(url, output_cache_bytes=0)
+    torch.set_num_threads(threads)
+    shared = RemoteLM(url, output_cache_bytes=0)
+    bodies = RemoteLM(url, output_cache_bytes=0, shared_memory=False)
     local = load_model_by_name(backend="hf")
-    prompt = remote.tokenizer.encode(PROMPT)[:25]
+    prompt = shared.tokenizer.encode(PROMPT)[:25]
     figures = {}
     for rows in (1, 16, 64):
         contexts = [prompt + [token] for token in range(rows)]
         local.batch_next_token_logprobs_sync(contexts)
-        remote.batch_next_token_logprobs_sync(contexts)  # now in the server's output cache
-        served, in_process = asyncio.run(interleaved(remote, local, contexts, repeats))
-        figures[rows] = (1e3 * statistics.median(served), 1e3 * statistics.median(in_process))
-    remote.close()
-    local.close()
-    return figures
+        shared.batch_next_token_logprobs_sync(contexts)  # now in the server's output cache
+        times = asyncio.run(interleaved((shared, bodies, local), contexts, repeats))
+        figures[rows] = tuple(1e3 * statistics.median(t) for t in times)
+    if shared.runner.slab_name is None:
+        raise RuntimeError(f"no shared memory: {shared.runner.shared_memory_refusal}")
+    for lm in (shared, bodies, local):
+        lm.close()
+    return figures  # type: ignore[return-value]
 
 
-async def interleaved(remote, local, contexts, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds per batch call, served and in-process in turn, on one event loop."""
-    served, in_process = [], []
-    for _ in range(repeats):
-        for lm, times in ((remote, served), (local, in_process)):
+async def interleaved(lms, contexts, repeats: int) -> list[list[float]]:
+    """Seconds per batch call of each of ``lms``, in turn, on one event loop (warm-up excluded)."""
+    times: list[list[float]] = [[] for _ in lms]
+    for repeat in range(3 + repeats):
+        for lm, lm_times in zip(lms, times):
             started = time.perf_counter()
             await lm.batch_next_token_logprobs(contexts)
-            times.append(time.perf_counter() - started)
-    return served, in_process
+            if repeat >= 3:
+                lm_times.append(time.perf_counter() - started)
+    return times
 
 
 # ---------------------------------------------------------------- driver
 
-SETUPS = (
-    "in-process, 1 process",
-    f"served, {NUM_PROCESSES} clients",
-    f"{NUM_PROCESSES} processes, a model each",
-)
+SETUPS = {
+    "in-process": "in-process, 1 process",
+    "served": f"served, {NUM_PROCESSES} clients",
+    "served-before": f"served, {NUM_PROCESSES} clients, before",
+    "4-models": f"{NUM_PROCESSES} processes, a model each",
+}
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"])
+def start_server(tree: Path = REPO) -> tuple[subprocess.Popen, str]:
+    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"], tree)
     return server, wait_line(server, "genlm-backend serve: listening on ")
 
 
@@ -202,22 +220,23 @@ def server_batches(url: str) -> str:
 def measure_setup(setup: str, args: argparse.Namespace) -> dict:
     """One run of ``setup`` in fresh processes: wall seconds, summed peak RSS, load seconds."""
     p, s = args.particles, args.steps
-    if setup == SETUPS[0]:
-        wall, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
-        extra_rss, batches = 0.0, None
-    elif setup == SETUPS[1]:
-        server, url = start_server()
+    extra_rss, batches = 0.0, None
+    if setup in ("served", "served-before"):
+        tree = REPO if setup == "served" else args.baseline_tree
+        server, url = start_server(tree)
         try:
-            wall, results = run_group(
-                [worker_argv(p, s, i, url, args.client_threads) for i in range(NUM_PROCESSES)]
-            )
+            workers = [
+                worker_argv(p, s, i, url, args.client_threads, tree) for i in range(NUM_PROCESSES)
+            ]
+            wall, results = run_group(workers, tree)
             extra_rss = peak_rss_mb(server.pid)
             batches = server_batches(url)
         finally:
             stop_server(server)
+    elif setup == "in-process":
+        wall, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
     else:
         wall, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
-        extra_rss, batches = 0.0, None
     return {
         "server_batches": batches,
         "wall_s": wall,
@@ -242,14 +261,29 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs of each setup")
     parser.add_argument("--repeats", type=int, default=20, help="round trips per row count")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="a checkout of an earlier version: adds its served setup (e.g. from `git archive`)",
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=list(SETUPS),
+        default=list(SETUPS),
+        help="which setups to run (served-before needs --baseline-tree)",
+    )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     if args.role == "worker":
         worker(args)
         return
-    runs: dict[str, list[dict]] = {setup: [] for setup in SETUPS}
+    setups = [s for s in args.setups if s != "served-before" or args.baseline_tree is not None]
+    setups = setups if args.runs > 0 else []  # --runs 0: the round trips only
+    runs: dict[str, list[dict]] = {setup: [] for setup in setups}
     for run in range(args.runs):
-        for setup in SETUPS:
+        for setup in setups:
             runs[setup].append(measure_setup(setup, args))
             print(f"run {run + 1}: {setup}: {runs[setup][-1]['wall_s']:.2f} s", file=sys.stderr)
     server, url = start_server()
@@ -263,6 +297,23 @@ def main() -> None:
 def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -> None:
     p, s = args.particles, args.steps
     total = NUM_PROCESSES * p * s
+    if runs:
+        rows = report_runs(runs, total, args)
+    print(f"\nround trip of one batch held in an output cache, median of {args.repeats}, in turns")
+    print(
+        "| rows | served, shared memory (ms) | served, answer body (ms) | in-process (ms) "
+        "| shared memory / in-process |"
+    )
+    print("|---|---|---|---|---|")
+    for count, (shared, body, local) in trips.items():
+        print(f"| {count} | {shared:.2f} | {body:.2f} | {local:.2f} | {shared / local:.2f}x |")
+    if args.plot and runs:
+        plot(rows, trips, total, args.plot)
+
+
+def report_runs(runs: dict[str, list[dict]], total: int, args: argparse.Namespace) -> list:
+    """Print the setups' table; its rows for the plot."""
+    p, s = args.particles, args.steps
     print(
         f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); "
         f"SmolLM2-135M fp32, CPU; median of {args.runs} interleaved runs"
@@ -275,7 +326,7 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
     medians = {
         setup: statistics.median(r["wall_s"] for r in results) for setup, results in runs.items()
     }
-    base = medians[SETUPS[0]]
+    base = medians.get("in-process", float("nan"))
     rows = []
     for setup, results in runs.items():
         wall = medians[setup]
@@ -284,17 +335,11 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
         all_runs = ", ".join(f"{r['wall_s']:.2f}" for r in results)
         batches = ", ".join(r["server_batches"] or "-" for r in results)
         print(
-            f"| {setup} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x | {all_runs} "
-            f"| {rss:.0f} | {load_s:.1f} | {batches} |"
+            f"| {SETUPS[setup]} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x "
+            f"| {all_runs} | {rss:.0f} | {load_s:.1f} | {batches} |"
         )
-        rows.append((setup, wall, rss, load_s))
-    print(f"\nround trip of one batch held in the server's output cache, median of {args.repeats}")
-    print("| rows | served (ms) | in-process (ms) | round trip's own cost (ms) |")
-    print("|---|---|---|---|")
-    for count, (served, local) in trips.items():
-        print(f"| {count} | {served:.2f} | {local:.2f} | {served - local:.2f} |")
-    if args.plot:
-        plot(rows, trips, total, args.plot)
+        rows.append((SETUPS[setup], wall, rss, load_s))
+    return rows
 
 
 def plot(rows, trips, total: int, path: Path) -> None:
@@ -305,13 +350,15 @@ def plot(rows, trips, total: int, path: Path) -> None:
 
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(13, 3.8))
     names = [name.replace(", ", "\n") for name, *_ in rows]
-    left.bar(names, [total / wall for _, wall, _, _ in rows], color=["#777", "#2a7", "#c63"])
+    colors = ["#777", "#2a7", "#9cd", "#c63"][: len(rows)]
+    left.bar(names, [total / wall for _, wall, _, _ in rows], color=colors)
     left.set_ylabel("tokens sampled / s")
-    middle.bar(names, [rss for _, _, rss, _ in rows], color=["#777", "#2a7", "#c63"])
+    middle.bar(names, [rss for _, _, rss, _ in rows], color=colors)
     middle.set_ylabel("peak RSS, all processes (MB)")
     counts = list(trips)
-    right.plot(counts, [trips[c][0] for c in counts], "o-", label="served")
-    right.plot(counts, [trips[c][1] for c in counts], "o-", label="in-process")
+    right.plot(counts, [trips[c][0] for c in counts], "o-", label="served, shared memory")
+    right.plot(counts, [trips[c][1] for c in counts], "o-", label="served, answer body")
+    right.plot(counts, [trips[c][2] for c in counts], "o-", label="in-process")
     right.set_xlabel("rows per batch (held in an output cache)")
     right.set_ylabel("ms per batch")
     right.legend()

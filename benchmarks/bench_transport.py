@@ -11,7 +11,13 @@ them alike; warm-up excluded; the median of ``--repeats`` is reported.
 * **httpx client**: the same server, httpx client (if installed);
 * **one-piece answer**: the answer sent in one ASGI message;
 * **h11 parser**: uvicorn's pure-Python parser;
-* **zmq**: ZeroMQ REQ/REP (pyzmq), the rows as one frame (if installed).
+* **zmq**: ZeroMQ REQ/REP (pyzmq), the rows as one frame (if installed);
+* **shared memory**: the shipped server and client, the rows written into the
+  client's slab (``genlm_backend.serve.slab``, one copy) and copied out of it
+  into a fresh array (one copy); the answer says how many rows.
+
+Every candidate's client ends with the rows in memory it owns (the HTTP and
+ZeroMQ answers' bytes, or the copy out of the slab).
 
     python benchmarks/bench_transport.py [--rows 1 16 64] [--vocab 49152] [--repeats 30]
 """
@@ -23,10 +29,14 @@ import importlib.util
 import multiprocessing
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's genlm_backend
 
 SLICE_BYTES = 1 << 20
 
@@ -73,6 +83,59 @@ def http_server(port: int, vocab: int, parser: str, slice_bytes: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="off", http=parser)
 
 
+def slab_server(port: int, vocab: int) -> None:
+    """Answers ``{"rows": n, "name", "nonce", "capacity"}`` by writing n rows into that slab."""
+    import torch
+    import uvicorn
+
+    from genlm_backend.serve.slab import Slab
+
+    slabs: dict[str, Slab] = {}
+    rows = torch.zeros(0, vocab)
+
+    async def app(scope, receive, send):
+        nonlocal rows
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = msgpack.unpackb(body)
+        name = request["name"]
+        if name not in slabs:
+            slabs[name] = Slab.attach(name, request["nonce"], request["capacity"], vocab)
+        if rows.shape[0] < request["rows"]:
+            rows = torch.zeros(request["rows"], vocab)
+        slabs[name].write(rows[: request["rows"]])
+        answer = msgpack.packb({"num_rows": request["rows"]})
+        headers = [(b"content-length", str(len(answer)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+
+
+def slab_client(port: int, vocab: int, capacity: int) -> Callable[[int], int]:
+    import urllib3
+
+    from genlm_backend.serve.slab import Slab
+
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", port, retries=False)
+    slab = Slab.create(capacity, vocab)
+    fields = {"name": slab.name, "nonce": slab.nonce, "capacity": capacity}
+
+    def round_trip(rows: int) -> int:
+        body = msgpack.packb({"rows": rows, **fields})
+        answer = msgpack.unpackb(pool.request("POST", "/", body=body).data)
+        slab.unlink()  # mapped by the server from the first answer on
+        return 4 * vocab * slab.read(answer["num_rows"]).shape[0]
+
+    return round_trip
+
+
 def zmq_server(port: int, vocab: int) -> None:
     import zmq
 
@@ -114,12 +177,13 @@ def zmq_client(port: int) -> Callable[[int], int]:
 
 def candidates() -> dict[str, tuple[Callable, tuple, Callable]]:
     """name -> (server function, its extra arguments, client factory)."""
-    found = {
+    found: dict[str, tuple[Callable, tuple, Callable]] = {
         "shipped": (http_server, ("httptools", SLICE_BYTES), urllib3_client),
         "httpx client": (http_server, ("httptools", SLICE_BYTES), httpx_client),
         "one-piece answer": (http_server, ("httptools", 1 << 40), urllib3_client),
         "h11 parser": (http_server, ("h11", SLICE_BYTES), urllib3_client),
         "zmq": (zmq_server, (), zmq_client),
+        "shared memory": (slab_server, (), slab_client),
     }
     missing = {"httpx client": "httpx", "zmq": "zmq"}
     return {
@@ -143,7 +207,10 @@ def main() -> None:
         process.start()
         processes.append(process)
         wait_accepting(port)
-        clients[name] = client(port)
+        if client is slab_client:
+            clients[name] = slab_client(port, args.vocab, max(args.rows))
+        else:
+            clients[name] = client(port)
     try:
         times: dict[tuple[str, int], list[float]] = {}
         for rows in args.rows:

@@ -48,28 +48,38 @@ def gated_server():
 
 
 def test_requests_of_different_clients_share_one_batch(gated_server):
-    """While batch 1 computes, two client processes queue 8 rows each: batch 2 holds all 16."""
+    """While batch 1 computes, two client processes send 8 rows each: batch 2 holds all 16.
+
+    The server waits for the first client to come back (it just answered it) until
+    that client closes: then it knows the client has left, and lets the others go.
+    """
     script = (
         "import sys; from genlm_backend.serve import RemoteLM\n"
         "lm = RemoteLM(sys.argv[1])\n"
         "rows = lm.batch_next_token_logprobs_sync([[int(sys.argv[2]), t] for t in range(8)])\n"
         "print('rows', tuple(rows.shape), flush=True)\n"
     )
-    with RemoteLM(gated_server.url) as first:
-        thread, _ = in_thread(first.next_token_logprobs_sync, [1])
+    first = RemoteLM(gated_server.url)
+    try:
+        thread, outcome = in_thread(first.next_token_logprobs_sync, [1])
         gated_server.wait_for("batch started: 1 rows")
         clients = [ServerProcess(["-c", script, gated_server.url, str(i)]) for i in (2, 3)]
         try:
-            # Both clients' contexts are in the server's batcher (validated and submitted).
-            wait_until(lambda: first.server_stats()[0].num_requests == 1 + 16, timeout_s=60)
+            # Both clients' requests are on the server, held until the first client's batch is done.
+            wait_until(lambda: first.server_stats()[1].num_in_flight == 3, timeout_s=60)
             gated_server.open_gate(2)
+            thread.join(timeout=10)
+            assert outcome["result"].shape == (256,)
+            first.close()
             gated_server.wait_for("batch started: 16 rows")
             for client in clients:
                 client.wait_for(r"rows \(8, 256\)")
         finally:
             for client in clients:
                 client.stop()
-        thread.join(timeout=10)
+    finally:
+        first.close()
+    assert gated_server.output.count("batch started") == 2
 
 
 def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
@@ -83,7 +93,7 @@ def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
         gated_server.wait_for("batch started: 1 rows")
         leaving = ServerProcess(["-c", script, gated_server.url])
         try:
-            wait_until(lambda: survivor.server_stats()[0].num_requests == 1 + 3, timeout_s=60)
+            wait_until(lambda: survivor.server_stats()[1].num_in_flight == 2, timeout_s=60)
             leaving.process.kill()
             gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
         finally:
@@ -130,11 +140,13 @@ def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_serve
         with pytest.raises(ServerUnavailableError, match="no answer in time"):
             client.next_token_logprobs_sync([3])
         assert time.monotonic() - started < ERROR_DEADLINE_S
+        assert client.runner.slab_name is None  # the server may still write into it: dropped
         # The client gave up and closed its connection: the server cancels the request.
         gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
         gated_server.open_gate()
         gated_server.wait_for("batch started: 1 rows")
         assert client.next_token_logprobs_sync([3]).shape == (256,)  # cached by the first batch
+        assert client.runner.slab_name is not None  # a new slab
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -143,7 +155,7 @@ def test_a_signal_fails_pending_requests_clearly_and_stops_the_server(gated_serv
         first, first_outcome = in_thread(computing.next_token_logprobs_sync, [1])
         gated_server.wait_for("batch started: 1 rows")
         second, second_outcome = in_thread(queued.next_token_logprobs_sync, [2])
-        wait_until(lambda: computing.server_stats()[0].num_requests == 2)
+        wait_until(lambda: computing.server_stats()[1].num_in_flight == 2)
         gated_server.send_signal(sig)
         first.join(timeout=ERROR_DEADLINE_S)
         second.join(timeout=ERROR_DEADLINE_S)
@@ -165,6 +177,10 @@ def test_a_token_is_required_when_set():
             RemoteLM(server.url, token="guess")
         with RemoteLM(server.url, token="s3cret") as lm:
             assert lm.next_token_logprobs_sync([1]).shape == (256,)
+            assert lm.runner.slab_name is not None  # the slab's offer carried the token too
+        offer = protocol.encode_slab_offer("client", "genlm-serve-x", bytes(16), 1)
+        with urllib3.connection_from_url(server.url, timeout=10, retries=False) as raw:
+            assert raw.request("POST", "/v1/session", body=offer).status == 401
         env_client = "from genlm_backend.serve import RemoteLM; import sys; RemoteLM(sys.argv[1])"
         client = ServerProcess(
             ["-c", env_client + "; print('ok')", server.url],
@@ -201,6 +217,12 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
             def logprobs(contexts) -> urllib3.BaseHTTPResponse:
                 return post(protocol.encode_logprobs_request(contexts, [None] * len(contexts)))
 
+            def offer(body: bytes) -> urllib3.BaseHTTPResponse:
+                return raw.request("POST", "/v1/session", body=body)
+
+            def slab_offer(capacity_rows: int = 1, name: str = "genlm-serve-none") -> bytes:
+                return protocol.encode_slab_offer("client", name, bytes(16), capacity_rows)
+
             cases = [
                 (
                     logprobs([[1]] * 5),
@@ -212,10 +234,15 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
                 (post(b"\xc1garbage"), 400, "not msgpack"),
                 (post(protocol.pack({"lengths": [2], "ids": b"\0" * 4})), 400, "lora_names"),
                 (logprobs([[256]]), 400, "outside the vocabulary"),
+                (offer(b"\xc1garbage"), 400, "not msgpack"),
+                (offer(protocol.pack({"client": "c", "name": 1})), 400, "'name' (str)"),
+                (offer(slab_offer(capacity_rows=5)), 413, "a slab of 5 rows"),
             ]
             for response, status, message in cases:
                 assert response.status == status
                 assert message in protocol.unpack(response.data)["message"]
+            refused = protocol.unpack(offer(slab_offer()).data)  # not an error: an answer
+            assert not refused["accepted"] and "cannot open shared memory" in refused["reason"]
         with RemoteLM(server.url) as lm:
             assert lm.max_context_length == 8
             with pytest.raises(ValueError, match="more than the model's context of 8"):

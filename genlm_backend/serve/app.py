@@ -4,12 +4,19 @@ All connections are served on one event loop, so the ``AsyncLM``'s batcher
 sees every client's pending contexts at once and batches them together. The
 data path of one ``/v1/logprobs`` request::
 
-    token check -> body (size-limited) -> decode + limits -> lm.batch_next_token_logprobs
-        (raced against the client's disconnect and the server's shutdown) -> float32 bytes
+    token check -> body (size-limited) -> decode + limits -> step gather
+        -> lm.batch_next_token_logprobs (raced against the client's disconnect
+        and the server's shutdown) -> rows into the client's slab, else float32 bytes
+
+The step gather (:mod:`~genlm_backend.serve.gather`) holds a request until
+every client that is stepping has sent its own, so a step of all clients is
+one batch. A client on this machine that opened a slab session
+(``/v1/session``, :mod:`~genlm_backend.serve.sessions`) gets its rows in
+shared memory; any other gets them in the answer's body.
 
 A client that disconnects cancels its request: contexts still queued are
 dropped before they cost model work. A shutdown fails every request in flight
-with a ``ShuttingDown`` answer.
+with a ``ShuttingDown`` answer and ends every slab session.
 """
 
 from __future__ import annotations
@@ -17,36 +24,33 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from genlm_backend.errors import BackendClosedError, RequestTooLargeError
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.serve import protocol
-from genlm_backend.serve.asgi import ClientGone, Reject, read_body, send_answer, wait_for_disconnect
+from genlm_backend.serve.asgi import (
+    ClientGone,
+    Reject,
+    end_open_answer,
+    read_body,
+    send_answer,
+    send_open_answer,
+    wait_for_disconnect,
+)
+from genlm_backend.serve.endpoints import model_routes
+from genlm_backend.serve.gather import StepGather
 from genlm_backend.serve.info import model_info
 from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
+from genlm_backend.serve.sessions import SlabSessions
+from genlm_backend.serve.slab import SlabRefused
+from genlm_backend.serve.stats import ServeStats
+
+__all__ = ["Log", "ServeApp", "ServeStats"]
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ServeStats:
-    """A snapshot of a server's own counters (the model's are its ``AsyncLM``'s ``stats``)."""
-
-    num_requests: int
-    """``/v1/logprobs`` requests received (each is one client round trip)."""
-    num_rows_served: int
-    """Rows sent back."""
-    num_rejected: int
-    """Requests answered with an error (bad input, over a limit, wrong token, model error)."""
-    num_cancelled_by_disconnect: int
-    """Requests whose client went away before the answer."""
-    num_failed_by_shutdown: int
-    """Requests failed because the server was shutting down."""
-    num_in_flight: int
-    """``/v1/logprobs`` requests received and not yet answered."""
 
 
 class ServeApp:
@@ -79,18 +83,17 @@ class ServeApp:
         self._closing = asyncio.Event()
         self._closing_reason = ""
         self._in_flight: set[asyncio.Task] = set()
+        self._held_sessions: set[asyncio.Task] = set()
+        self.sessions = SlabSessions(lm.vocab_size)
+        self.gather = StepGather()
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
-        self._routes: dict[tuple[str, str], Callable[[bytes], Awaitable[tuple[bytes, str]]]] = {
-            ("GET", "/v1/info"): self._get_info,
-            ("GET", "/v1/stats"): self._get_stats,
-            ("POST", "/v1/lora"): self._post_lora,
-            ("POST", "/v1/clear"): self._post_clear,
-        }
+        self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))
 
     @property
     def stats(self) -> ServeStats:
         c = self._counts
+        gather = self.gather.stats
         return ServeStats(
             num_requests=c["requests"],
             num_rows_served=c["rows"],
@@ -98,6 +101,10 @@ class ServeApp:
             num_cancelled_by_disconnect=c["cancelled"],
             num_failed_by_shutdown=c["shutdown"],
             num_in_flight=self._num_logprobs_in_flight,
+            num_shared_memory_clients=self.sessions.num_open,
+            num_rows_in_shared_memory=self.sessions.num_rows_written,
+            num_groups=gather.num_groups,
+            num_waits_given_up=gather.num_waits_given_up,
         )
 
     # ------------------------------------------------------------------ ASGI
@@ -107,8 +114,13 @@ class ServeApp:
             return  # lifespan is off; websockets are not served
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs in a task
-        self._in_flight.add(task)
+        is_session = (scope["method"], scope["path"]) == ("POST", "/v1/session")
+        tasks = self._held_sessions if is_session else self._in_flight
+        tasks.add(task)
         try:
+            if is_session:
+                await self._hold_session(scope, receive, send)
+                return
             body, content_type = await self._answer(scope, receive)
             await send_answer(send, 200, body, content_type, self._model_id)
         except Reject as reject:
@@ -119,13 +131,11 @@ class ServeApp:
         except ClientGone:
             pass  # nobody to answer
         finally:
-            self._in_flight.discard(task)
+            tasks.discard(task)
 
     async def _answer(self, scope, receive) -> tuple[bytes, str]:
         """The answer's body and content type. Raises ``Reject`` or ``ClientGone``."""
-        self._check_token(scope)
-        if self._closing.is_set():
-            raise Reject("ShuttingDown", self._shutdown_message())
+        self._check_admission(scope)
         route = (scope["method"], scope["path"])
         if route == ("POST", "/v1/logprobs"):
             return await self._post_logprobs(scope, receive)
@@ -140,6 +150,12 @@ class ServeApp:
         except Exception as exc:  # noqa: BLE001 - e.g. an adapter that fails to load: tell the client
             raise Reject("ModelError", f"{type(exc).__name__}: {exc}") from None
 
+    def _check_admission(self, scope) -> None:
+        """Raises ``Reject`` for a request without the token, or once the server is closing."""
+        self._check_token(scope)
+        if self._closing.is_set():
+            raise Reject("ShuttingDown", self._shutdown_message())
+
     def _check_token(self, scope) -> None:
         if self._token is None:
             return
@@ -152,20 +168,35 @@ class ServeApp:
 
     async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
         self._counts["requests"] += 1
+        body = await read_body(scope, receive, self.limits.max_body_bytes)
+        try:
+            request = protocol.decode_logprobs_request(body, self.limits)
+        except RequestTooLargeError as exc:
+            raise Reject("RequestTooLarge", str(exc)) from None
+        except ValueError as exc:
+            raise Reject("ValueError", str(exc)) from None
         self._num_logprobs_in_flight += 1
         try:
-            body = await read_body(scope, receive, self.limits.max_body_bytes)
-            try:
-                request = protocol.decode_logprobs_request(body, self.limits)
-            except RequestTooLargeError as exc:
-                raise Reject("RequestTooLarge", str(exc)) from None
-            except ValueError as exc:
-                raise Reject("ValueError", str(exc)) from None
-            rows = await self._until_gone_or_closing(self._compute(request), scope, receive)
+            rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
         finally:
             self._num_logprobs_in_flight -= 1
         self._counts["rows"] += rows.shape[0]
+        if self.sessions.write(request.session, rows):
+            return protocol.pack({"num_rows": rows.shape[0]}), protocol.SLAB_CONTENT_TYPE
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
+
+    async def _gathered(self, request: LogprobsRequest) -> torch.Tensor:
+        """:meth:`_compute`, once the step gather lets the request through."""
+        client: object = request.client if request.client is not None else object()
+        await self.gather.admit(client)
+        is_expected_back = request.client is not None
+        try:
+            return await self._compute(request)
+        except asyncio.CancelledError:
+            is_expected_back = False  # its client went away, or the server is closing
+            raise
+        finally:
+            self.gather.answered(client, is_expected_back=is_expected_back)
 
     async def _compute(self, request: LogprobsRequest) -> torch.Tensor:
         """The request's rows, ``[len(contexts), V]``; contexts of each adapter go in one call."""
@@ -184,10 +215,42 @@ class ServeApp:
                 for name, positions in groups.items()
             )
         )
+        if len(results) == 1:
+            return results[0]  # a fresh tensor already (on the model's device)
         rows = torch.empty(len(request.contexts), lm.vocab_size, dtype=torch.float32)
         for positions, group_rows in zip(groups.values(), results):
             rows[positions] = group_rows.to("cpu")
         return rows
+
+    async def _hold_session(self, scope, receive, send) -> None:
+        """``POST /v1/session``: map the client's slab, and keep it while this answer stays open.
+
+        Raises ``Reject`` (a bad offer; a refused slab is an answer, not an error) or ``ClientGone``.
+        """
+        self._check_admission(scope)
+        body = await read_body(scope, receive, self.limits.max_body_bytes)
+        try:
+            offer = protocol.decode_slab_offer(body, self.limits)
+        except RequestTooLargeError as exc:
+            raise Reject("RequestTooLarge", str(exc)) from None
+        except ValueError as exc:
+            raise Reject("ValueError", str(exc)) from None
+        try:
+            session = self.sessions.open(offer)
+        except SlabRefused as exc:
+            refusal = protocol.pack({"accepted": False, "session": "", "reason": str(exc)})
+            await send_answer(send, 200, refusal, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
+            return
+        try:
+            accepted = protocol.pack({"accepted": True, "session": session, "reason": ""})
+            await send_open_answer(send, accepted, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
+            await _first_of(wait_for_disconnect(receive), self._closing.wait())
+            if self._closing.is_set():
+                await end_open_answer(send)
+        finally:
+            client = self.sessions.close(session)
+            if client is not None and not self.sessions.has_client(client):
+                self.gather.forget(client)
 
     async def _until_gone_or_closing(self, work: Awaitable, scope, receive):
         """``work``'s result, unless the client goes away or the server closes first (then cancelled)."""
@@ -211,37 +274,6 @@ class ServeApp:
         self._log(f"client {host}:{port} went away: its request was cancelled")
         raise ClientGone
 
-    async def _get_info(self, body: bytes) -> tuple[bytes, str]:
-        info = {**self.info, "adapters": _adapter_paths(self.lm)}
-        return protocol.pack(info), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _get_stats(self, body: bytes) -> tuple[bytes, str]:
-        lm_stats = asdict(self.lm.stats)
-        return protocol.pack(
-            {"lm": lm_stats, "server": asdict(self.stats)}
-        ), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _post_lora(self, body: bytes) -> tuple[bytes, str]:
-        fields = protocol.unpack(body)
-        op, name, path = fields.get("op"), fields.get("name"), fields.get("path", "")
-        if not (isinstance(name, str) and isinstance(path, str)):
-            raise ValueError("malformed request body: 'name' and 'path' must be strings")
-        if op == "add":
-            await asyncio.to_thread(self.lm.add_new_lora, path, name)
-        elif op == "remove":
-            await asyncio.to_thread(self.lm.remove_lora, name)
-        else:
-            raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
-        return protocol.pack({"adapters": _adapter_paths(self.lm)}), protocol.MSGPACK_CONTENT_TYPE
-
-    async def _post_clear(self, body: bytes) -> tuple[bytes, str]:
-        what = protocol.unpack(body).get("what")
-        if what not in ("all", "kv"):
-            raise ValueError(f"malformed request body: 'what' must be 'all' or 'kv', got {what!r}")
-        clear = self.lm.clear_cache if what == "all" else self.lm.clear_kv_cache
-        await asyncio.to_thread(clear)
-        return protocol.pack({}), protocol.MSGPACK_CONTENT_TYPE
-
     # ------------------------------------------------------------------ shutdown
 
     async def begin_shutdown(self, reason: str, grace_s: float = 5.0) -> None:
@@ -255,9 +287,11 @@ class ServeApp:
         num_pending = len(self._in_flight)
         self._closing.set()
         self._log(f"shutting down ({reason}): failing {num_pending} request(s) in flight")
-        pending = {task for task in self._in_flight if task is not asyncio.current_task()}
+        pending = self._in_flight | self._held_sessions
+        pending.discard(asyncio.current_task())  # type: ignore[arg-type]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
+        self.sessions.close_all()
         await self.lm.aclose()
 
     def _shutdown_message(self) -> str:
@@ -277,5 +311,12 @@ def _result_or_reject(task: asyncio.Future, shutdown_message: Callable[[], str])
     raise Reject("ModelError", f"{type(error).__name__}: {error}")
 
 
-def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
-    return {name: adapter.path for name, adapter in lm.adapters.registered().items()}
+async def _first_of(*waits: Awaitable) -> None:
+    """Return once one of ``waits`` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

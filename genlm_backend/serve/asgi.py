@@ -66,3 +66,17 @@ async def send_answer(send, status: int, body: bytes, content_type: str, model_i
         more_body = start + SEND_CHUNK_BYTES < len(body)
         chunk = bytes(view[start : start + SEND_CHUNK_BYTES])
         await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+
+
+async def send_open_answer(send, body: bytes, content_type: str, model_id: bytes) -> None:
+    """Start a 200 answer that stays open: its headers, then ``body`` as its first chunk."""
+    headers = [
+        (b"content-type", content_type.encode()),
+        (protocol.MODEL_ID_HEADER.encode(), model_id),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def end_open_answer(send) -> None:
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

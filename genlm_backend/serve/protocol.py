@@ -10,7 +10,16 @@ Endpoints (all under ``/v1``):
 
 * ``GET /v1/info``: the model's identity, vocabulary, tokenizer files, limits, adapters.
 * ``POST /v1/logprobs``: ``{"lengths": [int], "ids": bytes, "lora_names": [str | None],
-  "uncached": bool}`` -> rows ``[len(lengths), vocab]``.
+  "uncached": bool, "client": str, "session": str}`` -> rows ``[len(lengths), vocab]``: in
+  the answer's body, or (content type :data:`SLAB_CONTENT_TYPE`, body ``{"num_rows": int}``)
+  in the client's shared-memory slab of ``session``. ``client`` (optional) identifies the
+  client process across its requests (see :mod:`~genlm_backend.serve.gather`); ``session``
+  (optional) names the client's open slab session.
+* ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
+  a client's offer of a shared-memory slab (see :mod:`~genlm_backend.serve.slab`) ->
+  ``{"accepted": bool, "session": str, "reason": str}``. An accepted session's answer
+  stays open (chunked, nothing more is sent): the server keeps the slab mapped until
+  the client closes it (or dies), or the server shuts down.
 * ``POST /v1/lora``: ``{"op": "add" | "remove", "name": str, "path": str}``.
 * ``POST /v1/clear``: ``{"what": "all" | "kv"}``.
 * ``GET /v1/stats``: ``{"lm": LMStats fields, "server": ServeStats fields}``.
@@ -33,6 +42,7 @@ PROTOCOL_VERSION = 1
 TOKEN_HEADER = "authorization"
 MODEL_ID_HEADER = "x-genlm-model-id"
 ROWS_CONTENT_TYPE = "application/x-float32-le"
+SLAB_CONTENT_TYPE = "application/x-genlm-slab"
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 DEFAULT_PORT = 8765
 
@@ -79,11 +89,23 @@ class ServeLimits:
 
 @dataclass(frozen=True)
 class LogprobsRequest:
-    """A decoded ``/v1/logprobs`` body: contexts with their adapter names."""
+    """A decoded ``/v1/logprobs`` body: contexts with their adapter names, who asks, where rows go."""
 
     contexts: list[list[int]]
     lora_names: list[str | None]
     uncached: bool
+    client: str | None = None
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class SlabOffer:
+    """A decoded ``/v1/session`` body: a client's shared-memory slab."""
+
+    client: str
+    name: str
+    nonce: bytes
+    capacity_rows: int
 
 
 # ---------------------------------------------------------------- msgpack maps
@@ -116,15 +138,23 @@ def error_body(kind: str, message: str) -> bytes:
 
 
 def encode_logprobs_request(
-    contexts: Sequence[Sequence[int]], lora_names: Sequence[str | None], uncached: bool = False
+    contexts: Sequence[Sequence[int]],
+    lora_names: Sequence[str | None],
+    uncached: bool = False,
+    *,
+    client: str | None = None,
+    session: str | None = None,
 ) -> bytes:
     """The body of a ``/v1/logprobs`` request (ids as ``int32`` little-endian bytes)."""
     lengths = [len(context) for context in contexts]
     flat = [token for context in contexts for token in context]
     ids = np.asarray(flat, dtype="<i4").tobytes()
-    return pack(
-        {"lengths": lengths, "ids": ids, "lora_names": list(lora_names), "uncached": uncached}
-    )
+    fields = {"lengths": lengths, "ids": ids, "lora_names": list(lora_names), "uncached": uncached}
+    if client is not None:
+        fields["client"] = client
+    if session is not None:
+        fields["session"] = session
+    return pack(fields)
 
 
 def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest:
@@ -152,6 +182,9 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
         raise ValueError("malformed request body: each lora name must be a str or nil")
     if not isinstance(uncached, bool) or (uncached and len(lengths) != 1):
         raise ValueError("malformed request body: 'uncached' is a bool, for one context")
+    client, session = fields.get("client"), fields.get("session")
+    if not all(value is None or _is_short_str(value) for value in (client, session)):
+        raise ValueError("malformed request body: 'client' and 'session' are short strings")
     if sum(lengths) * 4 != len(ids):
         raise ValueError(
             f"malformed request body: lengths sum to {sum(lengths)} tokens, ids hold {len(ids) // 4}"
@@ -168,7 +201,37 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
     flat = np.frombuffer(ids, dtype="<i4").tolist()
     offsets = np.cumsum([0, *lengths]).tolist()
     contexts = [flat[start:end] for start, end in itertools.pairwise(offsets)]
-    return LogprobsRequest(contexts, lora_names, uncached)
+    return LogprobsRequest(contexts, lora_names, uncached, client, session)
+
+
+def encode_slab_offer(client: str, name: str, nonce: bytes, capacity_rows: int) -> bytes:
+    """The body of a ``/v1/session`` request."""
+    return pack({"client": client, "name": name, "nonce": nonce, "capacity_rows": capacity_rows})
+
+
+def decode_slab_offer(body: bytes, limits: ServeLimits) -> SlabOffer:
+    """Check a ``/v1/session`` body.
+
+    Raises:
+        RequestTooLargeError: a slab of more rows than ``limits.max_rows``.
+        ValueError: a malformed body.
+    """
+    from genlm_backend.errors import RequestTooLargeError
+
+    fields = unpack(body)
+    client, name, nonce = fields.get("client"), fields.get("name"), fields.get("nonce")
+    capacity_rows = fields.get("capacity_rows")
+    if not (isinstance(client, str) and isinstance(name, str) and isinstance(nonce, bytes)):
+        raise ValueError("malformed request body: 'client', 'name' (str) and 'nonce' (bytes)")
+    if not (_is_short_str(client) and _is_short_str(name)):
+        raise ValueError("malformed request body: 'client' and 'name' are short strings")
+    if not (isinstance(capacity_rows, int) and is_int(capacity_rows) and capacity_rows >= 1):
+        raise ValueError("malformed request body: 'capacity_rows' must be an int >= 1")
+    if capacity_rows > limits.max_rows:
+        raise RequestTooLargeError(
+            f"a slab of {capacity_rows} rows; this server answers at most {limits.max_rows}"
+        )
+    return SlabOffer(client, name, nonce, capacity_rows)
 
 
 # ---------------------------------------------------------------- rows
@@ -193,3 +256,7 @@ def decode_rows(content: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
     if sys.byteorder != "little":
         array = array.astype(np.float32)
     return torch.from_numpy(array.copy())
+
+
+def _is_short_str(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 128

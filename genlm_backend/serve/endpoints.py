@@ -1,0 +1,63 @@
+"""The server's small endpoints: its model's identity and counters, adapters, clearing caches.
+
+Each takes a msgpack body and answers a msgpack map; a malformed body raises
+``ValueError`` (the app answers it with HTTP 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+
+from genlm_backend.llm.base import AsyncLM
+from genlm_backend.serve import protocol
+
+Handler = Callable[[bytes], Awaitable[tuple[bytes, str]]]
+
+
+def model_routes(
+    lm: AsyncLM, info: dict, server_stats: Callable[[], dict]
+) -> dict[tuple[str, str], Handler]:
+    """``(method, path) -> handler`` for ``/v1/info``, ``/v1/stats``, ``/v1/lora`` and ``/v1/clear``."""
+
+    async def get_info(body: bytes) -> tuple[bytes, str]:
+        return _answer({**info, "adapters": _adapter_paths(lm)})
+
+    async def get_stats(body: bytes) -> tuple[bytes, str]:
+        return _answer({"lm": asdict(lm.stats), "server": server_stats()})
+
+    async def post_lora(body: bytes) -> tuple[bytes, str]:
+        fields = protocol.unpack(body)
+        op, name, path = fields.get("op"), fields.get("name"), fields.get("path", "")
+        if not (isinstance(name, str) and isinstance(path, str)):
+            raise ValueError("malformed request body: 'name' and 'path' must be strings")
+        if op == "add":
+            await asyncio.to_thread(lm.add_new_lora, path, name)
+        elif op == "remove":
+            await asyncio.to_thread(lm.remove_lora, name)
+        else:
+            raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
+        return _answer({"adapters": _adapter_paths(lm)})
+
+    async def post_clear(body: bytes) -> tuple[bytes, str]:
+        what = protocol.unpack(body).get("what")
+        if what not in ("all", "kv"):
+            raise ValueError(f"malformed request body: 'what' must be 'all' or 'kv', got {what!r}")
+        await asyncio.to_thread(lm.clear_cache if what == "all" else lm.clear_kv_cache)
+        return _answer({})
+
+    return {
+        ("GET", "/v1/info"): get_info,
+        ("GET", "/v1/stats"): get_stats,
+        ("POST", "/v1/lora"): post_lora,
+        ("POST", "/v1/clear"): post_clear,
+    }
+
+
+def _answer(fields: dict) -> tuple[bytes, str]:
+    return protocol.pack(fields), protocol.MSGPACK_CONTENT_TYPE
+
+
+def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
+    return {name: adapter.path for name, adapter in lm.adapters.registered().items()}

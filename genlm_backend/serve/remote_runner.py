@@ -1,0 +1,230 @@
+"""The runner of a :class:`~genlm_backend.serve.client.RemoteLM`: one round trip to the server per batch.
+
+Rows come back through this client's shared-memory slab when the server
+runs on this machine (:mod:`~genlm_backend.serve.client_slab`), else in the
+answer's body.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+
+import torch
+import urllib3
+
+from genlm_backend.errors import ServerModelChangedError, ServerUnavailableError
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
+from genlm_backend.serve import http, protocol
+from genlm_backend.serve.client_slab import ClientSlab
+from genlm_backend.serve.server import TOKEN_ENV
+from genlm_backend.serve.slab import SlabRefused
+
+
+class RemoteRunner:
+    """A :class:`~genlm_backend.llm.runner.Runner` whose model is a ``genlm-backend serve`` server.
+
+    Synchronous (it runs in the ``AsyncLM``'s worker thread or a ``*_sync``
+    caller's thread); each call is one HTTP request (urllib3) on a kept-alive
+    connection, reopened on the next call after a failure. Nothing is retried.
+
+    Rows: on the server's machine, the server writes them into this client's
+    shared-memory slab (:class:`~genlm_backend.serve.client_slab.ClientSlab`),
+    from which :meth:`run` copies them once into a fresh tensor; elsewhere (or
+    with ``shared_memory=False``) they travel in the answer's body. The slab is
+    offered at the first batch and replaced by one twice as large when a batch
+    needs more rows (at most the server's ``max_rows``): at most one per
+    client, freed when the client closes or dies. A slab is never reused after
+    a round trip that failed without an answer (the server may still write
+    into it): the next call offers a new one.
+
+    Args:
+        url: ``http://HOST:PORT`` of the server.
+        token: Shared token (``None``: ``$GENLM_SERVE_TOKEN`` if set).
+        connect_timeout_s: Most seconds to open a connection.
+        read_timeout_s: Most seconds to wait for an answer (a batch queued behind
+            other clients' batches counts too).
+        shared_memory: Offer the server a shared-memory slab for rows.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 300.0,
+        shared_memory: bool = True,
+    ):
+        self.url = url.rstrip("/")
+        token = os.environ.get(TOKEN_ENV) if token is None else token
+        self._headers = {protocol.TOKEN_HEADER: f"Bearer {token}"} if token else {}
+        self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
+        # Two connections: the model's worker thread's, and a caller's (stats, adapters).
+        self._http = self._pool(maxsize=2)
+        self.client_id = secrets.token_hex(16)
+        """Sent with every batch: the server's step gather knows this client by it."""
+        self.model_id: str | None = None
+        self.vocab_size = 0
+        self.max_rows = 1
+        self.num_round_trips = 0
+        self._num_tokens_sent = 0
+        self._slab: ClientSlab | None = None
+        self.shared_memory_refusal: str | None = None if shared_memory else "shared_memory=False"
+        """Why rows travel in answer bodies (``None``: through shared memory, once a batch offered it)."""
+
+    def _pool(self, maxsize: int) -> urllib3.HTTPConnectionPool:
+        return urllib3.connection_from_url(
+            self.url,
+            headers=self._headers,
+            timeout=self._timeout,
+            retries=False,  # a failure is reported, not hidden; the next call reconnects
+            maxsize=maxsize,
+        )
+
+    @property
+    def slab_name(self) -> str | None:
+        """The shared-memory segment this client's rows arrive in (``None``: none open)."""
+        return None if self._slab is None else self._slab.slab.name
+
+    @property
+    def stats(self) -> RunnerStats:
+        return RunnerStats(num_tokens_computed=self._num_tokens_sent, kv_cache_bytes=0)
+
+    def fetch_info(self) -> dict:
+        """The server's ``/v1/info`` map; remembers its model id (checked on every later answer)."""
+        info = protocol.unpack(self._call("GET", "/v1/info").data)
+        if info.get("protocol") != protocol.PROTOCOL_VERSION:
+            raise ServerUnavailableError(
+                f"the server at {self.url} speaks protocol {info.get('protocol')!r}, "
+                f"this client {protocol.PROTOCOL_VERSION}: upgrade the older of the two"
+            )
+        self.model_id = info["model_id"]
+        self.vocab_size = len(info["byte_vocab"])
+        self.max_rows = info["max_rows"]
+        return info
+
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget: its context length."""
+        return len(request.context)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Scores gathered from the rows of each continuation's prefixes (one round trip)."""
+        return score_from_rows(self.run, requests)
+
+    def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        return self._logprobs(requests, uncached=False)
+
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        return self._logprobs([request], uncached=True)[0]
+
+    def _logprobs(self, requests: Sequence[Request], uncached: bool) -> torch.Tensor:
+        contexts = [request.context for request in requests]
+        names = [None if r.adapter is None else r.adapter.name for r in requests]
+        slab = self._slab_for(len(requests))
+        body = protocol.encode_logprobs_request(
+            contexts,
+            names,
+            uncached,
+            client=self.client_id,
+            session=None if slab is None else slab.session,
+        )
+        try:
+            response = self._call("POST", "/v1/logprobs", body)
+        except ServerUnavailableError:
+            self._close_slab()  # the server may still write into it: never reuse it
+            raise
+        self._num_tokens_sent += sum(map(len, contexts))
+        if response.headers.get("content-type") == protocol.SLAB_CONTENT_TYPE and slab is not None:
+            return slab.read(_num_rows_in_slab(response, len(requests)))
+        if slab is not None:
+            self._close_slab()  # the server no longer holds it (it restarted): offer anew next time
+        return protocol.decode_rows(response.data, len(requests), self.vocab_size)
+
+    def _slab_for(self, num_rows: int) -> ClientSlab | None:
+        """This client's slab, offered (or replaced by a larger one) if needed; ``None``: use bodies.
+
+        Raises:
+            ServerUnavailableError, ServerRejectedError: the offer's round trip failed.
+        """
+        if self.shared_memory_refusal is not None or num_rows > self.max_rows:
+            return None
+        if self._slab is not None and self._slab.capacity_rows >= num_rows:
+            return self._slab
+        capacity_rows = min(self.max_rows, 1 << (num_rows - 1).bit_length())
+        pool = self._pool(maxsize=1)
+        try:
+            slab = ClientSlab.offer(self.url, pool, self.client_id, capacity_rows, self.vocab_size)
+        except SlabRefused as exc:
+            self.shared_memory_refusal = str(exc)
+            self._close_slab()
+            return None
+        self._close_slab()  # after the new one is open: the server never sees this client leave
+        self._slab = slab
+        return slab
+
+    def _close_slab(self) -> None:
+        slab, self._slab = self._slab, None
+        if slab is not None:
+            slab.close()
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        self._call("POST", "/v1/lora", protocol.pack({"op": "add", **_adapter_fields(adapter)}))
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        self._call("POST", "/v1/lora", protocol.pack({"op": "remove", "name": adapter.name}))
+
+    def clear(self) -> None:
+        """Drop the server's keys/values and cached rows (every client's: only speed changes)."""
+        self.clear_server("all")
+
+    def clear_server(self, what: str) -> None:
+        self._call("POST", "/v1/clear", protocol.pack({"what": what}))
+
+    def server_stats(self) -> dict:
+        return protocol.unpack(self._call("GET", "/v1/stats").data)
+
+    def close(self) -> None:
+        self._close_slab()
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: bytes | None = None) -> urllib3.BaseHTTPResponse:
+        """One request; its failure as the library's exception.
+
+        Raises:
+            ServerUnavailableError: unreachable, gone mid-request, no answer in time, shutting down.
+            ServerModelChangedError: the server now holds another model.
+            ServerRejectedError, RequestTooLargeError, RemoteModelError, TypeError, ValueError:
+                the server's answer for this request.
+        """
+        response = http.send(self._http, self.url, method, path, body)
+        self.num_round_trips += 1
+        self._check_model(response)
+        if response.status != 200:
+            raise http.error_of(response, self.url)
+        return response
+
+    def _check_model(self, response: urllib3.BaseHTTPResponse) -> None:
+        served = response.headers.get(protocol.MODEL_ID_HEADER)
+        if self.model_id is not None and served is not None and served != self.model_id:
+            raise ServerModelChangedError(
+                f"the server at {self.url} now serves another model (id {served}, "
+                f"was {self.model_id}); make a new RemoteLM for it"
+            )
+
+
+def _adapter_fields(adapter: Adapter) -> dict:
+    return {"name": adapter.name, "path": adapter.path}
+
+
+def _num_rows_in_slab(response: urllib3.BaseHTTPResponse, expected: int) -> int:
+    """The row count of a slab answer, checked against the request's.
+
+    Raises:
+        ValueError: the server wrote another number of rows.
+    """
+    num_rows = protocol.unpack(response.data).get("num_rows")
+    if num_rows != expected:
+        raise ValueError(f"expected {expected} rows in the slab, the server wrote {num_rows!r}")
+    return expected

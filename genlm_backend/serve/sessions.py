@@ -1,0 +1,77 @@
+"""The server's side of shared-memory slabs: the slabs it holds mapped, one per open session.
+
+A client on the server's machine offers a slab (``POST /v1/session``); the
+server maps it if it can (:meth:`Slab.attach`) and keeps the session's
+answer open. The session lasts exactly as long as that answer: when the
+client closes it, dies, or the server shuts down, the slab is unmapped.
+While it lasts, ``/v1/logprobs`` answers of that client carry their rows in
+the slab (:meth:`SlabSessions.write`) instead of the body.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from genlm_backend.serve.protocol import SlabOffer
+from genlm_backend.serve.slab import Slab
+
+
+class SlabSessions:
+    """Open sessions: session id -> the client's mapped slab. Used on the server's event loop.
+
+    Args:
+        vocab_size: Floats per row.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._slabs: dict[str, Slab] = {}
+        self._clients: dict[str, str] = {}
+        self.num_rows_written = 0
+
+    @property
+    def num_open(self) -> int:
+        return len(self._slabs)
+
+    def open(self, offer: SlabOffer) -> str:
+        """Map the offered slab; the new session's id (unguessable: it lets a request write there).
+
+        Raises:
+            SlabRefused: the slab cannot be used from here (the message says why).
+        """
+        slab = Slab.attach(offer.name, offer.nonce, offer.capacity_rows, self.vocab_size)
+        session = secrets.token_hex(16)
+        self._slabs[session] = slab
+        self._clients[session] = offer.client
+        return session
+
+    def close(self, session: str) -> str | None:
+        """Unmap the session's slab; the client it belonged to (``None``: no such session)."""
+        slab = self._slabs.pop(session, None)
+        if slab is not None:
+            slab.close()
+        return self._clients.pop(session, None)
+
+    def has_client(self, client: str) -> bool:
+        """Whether ``client`` has a session open (it opens its next before closing its last)."""
+        return client in self._clients.values()
+
+    def write(self, session: str | None, rows: torch.Tensor) -> bool:
+        """Put ``rows`` (``[n, V]`` float32) into ``session``'s slab.
+
+        Returns:
+            ``False`` (nothing written) when there is no such session (it closed,
+            or the server restarted) or the rows do not fit: they go in the body then.
+        """
+        slab = None if session is None else self._slabs.get(session)
+        if slab is None or rows.shape[0] > slab.capacity_rows:
+            return False
+        slab.write(rows)
+        self.num_rows_written += rows.shape[0]
+        return True
+
+    def close_all(self) -> None:
+        for session in list(self._slabs):
+            self.close(session)

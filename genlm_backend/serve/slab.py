@@ -1,0 +1,178 @@
+"""Rows through shared memory: a client's slab, which the server writes its answers into.
+
+A slab is one POSIX shared-memory segment (:mod:`multiprocessing.shared_memory`)
+that a client creates and a server on the same machine maps. Layout::
+
+    [0, HEADER_BYTES)   header: the client's random nonce (NONCE_BYTES), then zeros
+    [HEADER_BYTES, ...) rows: float32 [capacity_rows, vocab_size], C order, native byte order
+
+The nonce makes the same-machine check robust: a server accepts a slab only if
+it can open the segment by name *and* finds there the nonce the client sent
+in its offer, so a name that happens to exist on another machine is refused.
+
+Lifetime: the client unlinks the segment's name as soon as the server has
+mapped it (:meth:`Slab.unlink`); from then on the memory is held only by the
+two mappings and freed by the kernel when both are gone, so a killed client
+or server leaves nothing in ``/dev/shm``. Pages are reserved at creation
+(``posix_fallocate``): a full ``/dev/shm`` fails there, with ``OSError``,
+rather than as a ``SIGBUS`` in the server's write.
+
+Views of the segment are numpy arrays made for one copy and dropped at once:
+a mapping cannot be closed while one is alive (``BufferError``), which is
+the guard against reading unmapped memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sys
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+import torch
+
+HEADER_BYTES = 64
+"""Bytes before the first row (the nonce, padded): rows start 64-byte aligned."""
+NONCE_BYTES = 16
+NAME_PREFIX = "genlm-serve-"
+"""Every slab's segment name starts with this (``/dev/shm/genlm-serve-*`` on Linux)."""
+
+
+class SlabRefused(Exception):
+    """A server cannot use the slab a client offered (another machine, wrong nonce, wrong size)."""
+
+
+def slab_bytes(capacity_rows: int, vocab_size: int) -> int:
+    """Size of a slab holding ``capacity_rows`` rows of ``vocab_size`` float32."""
+    return HEADER_BYTES + 4 * capacity_rows * vocab_size
+
+
+class Slab:
+    """One shared-memory segment of rows, as a client created it or a server mapped it.
+
+    Not thread-safe: a client reads and closes it under its ``AsyncLM``'s
+    compute lock, a server writes and closes it on its event loop.
+    """
+
+    def __init__(self, shm: SharedMemory, capacity_rows: int, vocab_size: int, nonce: bytes):
+        self._shm = shm
+        self.capacity_rows = capacity_rows
+        self.vocab_size = vocab_size
+        self.nonce = nonce
+        self.is_closed = False
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    @classmethod
+    def create(cls, capacity_rows: int, vocab_size: int) -> Slab:
+        """A new slab (the client's), its pages reserved and its nonce written.
+
+        Raises:
+            OSError: no shared memory here, or not enough of it (e.g. a small ``/dev/shm``).
+        """
+        size = slab_bytes(capacity_rows, vocab_size)
+        shm = SharedMemory(name=NAME_PREFIX + secrets.token_hex(12), create=True, size=size)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            _reserve_pages(shm)
+            _buffer(shm)[:NONCE_BYTES] = nonce
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
+        return cls(shm, capacity_rows, vocab_size, nonce)
+
+    @classmethod
+    def attach(cls, name: str, nonce: bytes, capacity_rows: int, vocab_size: int) -> Slab:
+        """Map a client's slab (the server's side) after checking it is the one offered.
+
+        Raises:
+            SlabRefused: the message says why (no such segment here, too small, another nonce).
+        """
+        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
+            raise SlabRefused(f"not a slab name: {name!r}")
+        try:
+            shm = _open_untracked(name)
+        except (
+            OSError
+        ) as exc:  # FileNotFoundError on another machine, PermissionError for another user
+            raise SlabRefused(f"cannot open shared memory {name!r} here ({exc.strerror})") from None
+        slab = cls(shm, capacity_rows, vocab_size, nonce)
+        if shm.size < slab_bytes(capacity_rows, vocab_size):
+            slab.close()
+            raise SlabRefused(f"shared memory {name!r} is smaller than {capacity_rows} rows")
+        if bytes(_buffer(shm)[:NONCE_BYTES]) != nonce:
+            slab.close()
+            raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
+        return slab
+
+    def write(self, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (float32 ``[n, vocab_size]``, any device, ``n <= capacity_rows``) into the slab."""
+        target = self._view(rows.shape[0])  # [n, V]
+        if rows.device.type == "cpu":
+            # numpy's copy runs in this thread: torch's would start its OpenMP team for
+            # a memcpy, which waits for cores the model's threads hold.
+            np.copyto(target, rows.detach().numpy())
+        else:
+            torch.from_numpy(target).copy_(rows)
+        del target
+
+    def read(self, num_rows: int) -> torch.Tensor:
+        """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's first rows, copied once."""
+        return torch.from_numpy(self._view(num_rows).copy())
+
+    def _view(self, num_rows: int) -> np.ndarray:
+        if self.is_closed:
+            raise ValueError("this slab is closed")
+        if not 0 <= num_rows <= self.capacity_rows:
+            raise ValueError(f"{num_rows} rows do not fit a slab of {self.capacity_rows}")
+        count = num_rows * self.vocab_size
+        flat = np.frombuffer(_buffer(self._shm), np.float32, count=count, offset=HEADER_BYTES)
+        return flat.reshape(num_rows, self.vocab_size)
+
+    def unlink(self) -> None:
+        """Remove the segment's name (the client's, once the server mapped it); mappings stay valid.
+
+        Idempotent.
+        """
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
+
+    def close(self) -> None:
+        """Unmap this side's view. Idempotent."""
+        if not self.is_closed:
+            self.is_closed = True
+            self._shm.close()
+
+
+def _buffer(shm: SharedMemory) -> memoryview:
+    buffer = shm.buf
+    if buffer is None:  # typeshed's type; an open segment always has its buffer
+        raise ValueError(f"shared memory {shm.name!r} is closed")
+    return buffer
+
+
+def _reserve_pages(shm: SharedMemory) -> None:
+    """Allocate every page now: writing past a full tmpfs raises ``SIGBUS`` in the writer."""
+    fd = getattr(shm, "_fd", -1)  # SharedMemory keeps its descriptor here on POSIX
+    if fd >= 0 and hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, shm.size)
+
+
+def _open_untracked(name: str) -> SharedMemory:
+    """Open an existing segment without handing it to this process's resource tracker.
+
+    Before Python 3.13, opening a segment registers it with the opener's
+    resource tracker, which would unlink the client's segment (and warn of
+    a leak) when the server exits; the client owns it.
+    """
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name, track=False)  # type: ignore[call-arg]  # 3.13+
+    shm = SharedMemory(name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm

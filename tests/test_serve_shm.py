@@ -1,0 +1,216 @@
+"""Rows through shared memory between a ``RemoteLM`` and a server process on this machine.
+
+The server is ``serve_gated_server.py`` (a mock model over 256 byte tokens,
+ungated); the reference is an in-process ``MockAsyncLM`` over the same
+vocabulary, and every row must be the same float32 bytes. What is left
+behind is read from the system itself: ``/dev/shm`` (names) and each
+process's ``/proc/PID/maps`` (mappings, which hold the memory).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlm_backend import MockAsyncLM
+from genlm_backend.errors import ServerUnavailableError
+from genlm_backend.serve import RemoteLM
+from genlm_backend.serve.slab import Slab
+from tests.serve_gated_server import BYTE_VOCAB
+from tests.serve_support import ServerProcess, wait_until
+
+SHM = Path("/dev/shm")
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (SHM.is_dir() and Path("/proc/self/maps").exists()),
+        reason="reads /dev/shm and /proc/PID/maps (Linux)",
+    ),
+    pytest.mark.timeout(120),
+]
+
+
+def maps_of(pid: int | str) -> str:
+    """Every mapping of process ``pid``, as the kernel lists them."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def contexts(first: int, count: int) -> list[list[int]]:
+    return [[first, token] for token in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return MockAsyncLM(byte_vocab=BYTE_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess.gated()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def remote(server):
+    with RemoteLM(server.url) as lm:
+        yield lm
+
+
+def test_a_client_on_the_servers_machine_gets_exact_rows_through_shared_memory(
+    remote, reference, server
+):
+    _, before = remote.server_stats()
+    rows = remote.batch_next_token_logprobs_sync(contexts(1, 16))
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(1, 16)))
+    name = remote.runner.slab_name
+    assert name is not None and remote.runner.shared_memory_refusal is None
+    assert not (SHM / name).exists()  # unlinked as soon as the server mapped it
+    assert name in maps_of(server.process.pid) and name in maps_of("self")
+    _, after = remote.server_stats()
+    assert after.num_rows_in_shared_memory - before.num_rows_in_shared_memory == 16
+
+
+async def test_returned_rows_stay_valid_and_unaliased_when_the_slab_is_reused(remote, reference):
+    first = await remote.batch_next_token_logprobs(contexts(2, 8))
+    single = await remote.next_token_logprobs([2, 99])
+    second = await remote.batch_next_token_logprobs(contexts(3, 8))  # the same slab, rewritten
+    assert torch.equal(first, reference.batch_next_token_logprobs_sync(contexts(2, 8)))
+    assert torch.equal(single, reference.next_token_logprobs_sync([2, 99]))
+    first.fill_(0.0)
+    assert torch.equal(second, reference.batch_next_token_logprobs_sync(contexts(3, 8)))
+    remote.clear_cache()  # the client's own cache off the path: the rows come from the slab again
+    assert torch.equal(
+        await remote.batch_next_token_logprobs(contexts(2, 8)),
+        reference.batch_next_token_logprobs_sync(contexts(2, 8)),
+    )
+
+
+def test_the_slab_grows_with_the_batches_and_each_client_holds_one(server):
+    with RemoteLM(server.url) as lm:
+        lm.next_token_logprobs_sync([4, 1])
+        small = lm.runner.slab_name
+        lm.batch_next_token_logprobs_sync(contexts(4, 40))  # needs a slab of 64 rows
+        large = lm.runner.slab_name
+        assert large not in (None, small)
+        assert small not in maps_of("self")
+        wait_until(lambda: small not in maps_of(server.process.pid))
+        assert large in maps_of(server.process.pid)
+    assert lm.runner.slab_name is None and large not in maps_of("self")
+    wait_until(lambda: large not in maps_of(server.process.pid))
+
+
+def test_without_shared_memory_rows_come_in_answer_bodies(server, reference):
+    with RemoteLM(server.url, shared_memory=False) as lm:
+        _, before = lm.server_stats()
+        rows = lm.batch_next_token_logprobs_sync(contexts(5, 4))
+        assert lm.runner.slab_name is None
+        assert lm.runner.shared_memory_refusal == "shared_memory=False"
+        _, after = lm.server_stats()
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(5, 4)))
+    assert after.num_rows_in_shared_memory == before.num_rows_in_shared_memory
+
+
+def test_a_server_that_cannot_open_the_slab_answers_in_bodies(server, reference, monkeypatch):
+    """What a client of a server on another machine sees: the slab's name is not there."""
+    create = Slab.create
+
+    def elsewhere(capacity_rows: int, vocab_size: int) -> Slab:
+        slab = create(capacity_rows, vocab_size)
+        slab.unlink()
+        return slab
+
+    monkeypatch.setattr(Slab, "create", elsewhere)
+    with RemoteLM(server.url) as lm:
+        rows = lm.batch_next_token_logprobs_sync(contexts(6, 4))
+        assert lm.runner.slab_name is None
+        assert "cannot open shared memory" in str(lm.runner.shared_memory_refusal)
+        round_trips = lm.runner.num_round_trips
+        lm.batch_next_token_logprobs_sync(contexts(7, 4))  # no new offer: one round trip
+        assert lm.runner.num_round_trips == round_trips + 1
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(6, 4)))
+
+
+CLIENT = (
+    "import sys; from genlm_backend.serve import RemoteLM\n"
+    "lm = RemoteLM(sys.argv[1])\n"
+    "lm.batch_next_token_logprobs_sync([[8, t] for t in range(4)])\n"
+    "print('slab', lm.runner.slab_name, flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_killed_client_leaves_nothing_behind(server):
+    client = ServerProcess(["-c", CLIENT, server.url])
+    try:
+        name = client.wait_for(r"^slab (\S+)$").group(1)
+        assert not (SHM / name).exists()
+        assert name in maps_of(server.process.pid)
+        client.process.kill()
+        client.wait_exit()
+        # The server sees the session's connection go and unmaps: the kernel frees the memory.
+        wait_until(lambda: name not in maps_of(server.process.pid))
+        assert not (SHM / name).exists()
+    finally:
+        client.stop()
+
+
+def test_a_client_killed_before_its_slab_was_mapped_leaves_nothing_behind():
+    """Between creating its slab and the server's mapping, a client's resource tracker owns it."""
+    script = (
+        "import sys; from genlm_backend.serve.slab import Slab\n"
+        "slab = Slab.create(4, 256); print('slab', slab.name, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    client = ServerProcess(["-c", script])
+    try:
+        name = client.wait_for(r"^slab (\S+)$").group(1)
+        assert (SHM / name).exists()
+        client.process.kill()
+        client.wait_exit()
+        wait_until(lambda: not (SHM / name).exists())
+    finally:
+        client.stop()
+
+
+def test_a_killed_server_leaves_nothing_behind_and_its_client_carries_on(reference):
+    server = ServerProcess.gated()
+    client = RemoteLM(server.url)
+    try:
+        client.batch_next_token_logprobs_sync(contexts(9, 4))
+        name = client.runner.slab_name
+        assert name is not None and name in maps_of(server.process.pid)
+        server.process.kill()
+        server.wait_exit()
+        assert not (SHM / name).exists()
+        with pytest.raises(ServerUnavailableError):
+            client.batch_next_token_logprobs_sync(contexts(10, 4))
+        assert client.runner.slab_name is None and name not in maps_of("self")
+        back = ServerProcess.gated("--port", str(server.port))
+        try:
+            rows = client.batch_next_token_logprobs_sync(contexts(10, 4))
+            assert client.runner.slab_name not in (None, name)
+            assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(10, 4)))
+        finally:
+            client.close()
+            back.stop()
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_server_signalled_to_stop_ends_every_session():
+    server = ServerProcess.gated()
+    try:
+        with RemoteLM(server.url) as client:
+            client.next_token_logprobs_sync([1])
+            name = client.runner.slab_name
+            assert name is not None
+            server.send_signal(signal.SIGTERM)
+            assert server.wait_exit() == 0
+    finally:
+        server.stop()
+    assert name not in maps_of("self")

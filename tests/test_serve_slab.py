@@ -1,0 +1,157 @@
+"""Shared-memory slabs (``genlm_backend.serve.slab``): the client's side here, the server's in a process.
+
+The server's side is ``serve_slab_server.py``, which writes seeded rows
+(:func:`rows_of`); the reference for every row read back is the same rows
+made here. float32 copies are exact: the tolerance is zero.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlm_backend.serve.slab import NAME_PREFIX, Slab
+from tests.serve_slab_server import rows_of
+from tests.serve_support import ServerProcess
+
+VOCAB = 1000
+SHM = Path("/dev/shm")
+SLAB_SERVER = str(Path(__file__).resolve().parent / "serve_slab_server.py")
+
+pytestmark = [
+    pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm (Linux)"),
+    pytest.mark.timeout(120),
+]
+
+
+def map_elsewhere(slab: Slab, capacity: int | None = None, nonce: bytes | None = None):
+    """The server's side of ``slab``, in a process of its own; ``capacity``/``nonce`` as offered."""
+    offered = slab.nonce if nonce is None else nonce
+    capacity = slab.capacity_rows if capacity is None else capacity
+    return ServerProcess([SLAB_SERVER, slab.name, offered.hex(), str(capacity), str(VOCAB)])
+
+
+def tell(server: ServerProcess, command: str, answer: str) -> None:
+    server.process.stdin.write(command + "\n")  # type: ignore[union-attr]
+    server.process.stdin.flush()  # type: ignore[union-attr]
+    server.lines.clear()  # wait for this command's answer, not an earlier one
+    server.wait_for(f"^{answer}$")
+
+
+@pytest.fixture
+def mapped():
+    """A client's slab of 8 rows, mapped by a server process, its name already unlinked."""
+    slab = Slab.create(8, VOCAB)
+    server = map_elsewhere(slab)
+    try:
+        server.wait_for("^mapped$")
+        slab.unlink()
+        yield slab, server
+    finally:
+        server.stop()
+        slab.close()
+        slab.unlink()
+
+
+def test_rows_written_by_the_server_are_read_exactly(mapped):
+    slab, server = mapped
+    tell(server, "write 1 5", "written")
+    rows = slab.read(5)
+    assert rows.dtype == torch.float32 and rows.shape == (5, VOCAB)
+    assert torch.equal(rows, rows_of(1, 5, VOCAB))
+
+
+def test_rows_read_stay_valid_and_unaliased_when_the_slab_is_reused(mapped):
+    slab, server = mapped
+    tell(server, "write 1 8", "written")
+    first = slab.read(8)
+    tell(server, "write 2 3", "written")
+    second = slab.read(3)
+    assert torch.equal(first, rows_of(1, 8, VOCAB))
+    assert torch.equal(second, rows_of(2, 3, VOCAB))
+    first.fill_(0.0)  # the caller's own tensor: the slab does not change
+    assert torch.equal(slab.read(3), rows_of(2, 3, VOCAB))
+
+
+def test_once_mapped_and_unlinked_nothing_is_left_in_dev_shm(mapped):
+    slab, server = mapped
+    assert slab.name.startswith(NAME_PREFIX)
+    assert not (SHM / slab.name).exists()
+    tell(server, "write 3 1", "written")  # the memory lives on in both mappings
+    assert torch.equal(slab.read(1), rows_of(3, 1, VOCAB))
+
+
+@pytest.mark.parametrize(
+    ("capacity", "nonce", "reason"),
+    [(8, bytes(16), "does not hold the offered nonce"), (9, None, "smaller than 9 rows")],
+    ids=["another nonce", "too small"],
+)
+def test_the_server_refuses_a_slab_that_is_not_the_one_offered(capacity, nonce, reason):
+    slab = Slab.create(8, VOCAB)
+    server = map_elsewhere(slab, capacity, nonce)
+    try:
+        server.wait_for(f"^refused: .*{reason}")
+    finally:
+        server.stop()
+        slab.close()
+        slab.unlink()
+
+
+def test_the_server_refuses_a_slab_it_cannot_open():
+    """What a server on another machine sees: no segment of that name."""
+    slab = Slab.create(2, VOCAB)
+    slab.unlink()
+    server = map_elsewhere(slab)
+    try:
+        server.wait_for("^refused: cannot open shared memory")
+    finally:
+        server.stop()
+        slab.close()
+
+
+def test_names_that_are_not_slabs_are_refused_before_opening():
+    from genlm_backend.serve.slab import SlabRefused
+
+    for name in ("psm_123", NAME_PREFIX + "a/b", NAME_PREFIX + "x" * 60):
+        with pytest.raises(SlabRefused, match="not a slab name"):
+            Slab.attach(name, bytes(16), 2, VOCAB)
+
+
+def test_rows_beyond_the_capacity_are_refused():
+    slab = Slab.create(8, VOCAB)
+    try:
+        with pytest.raises(ValueError, match="9 rows do not fit a slab of 8"):
+            slab.read(9)
+        with pytest.raises(ValueError, match="9 rows do not fit"):
+            slab.write(torch.zeros(9, VOCAB))
+    finally:
+        slab.close()
+        slab.unlink()
+
+
+def test_a_full_dev_shm_fails_the_creation_cleanly(monkeypatch):
+    """Pages are reserved at creation, so a full tmpfs fails there (not with SIGBUS in a write)."""
+    before = set(os.listdir(SHM))
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        Slab.create(4, VOCAB)
+    assert set(os.listdir(SHM)) <= before  # nothing left behind
+
+
+def test_a_closed_slab_refuses_reads_and_writes():
+    slab = Slab.create(1, VOCAB)
+    slab.unlink()
+    slab.close()
+    slab.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        slab.read(1)
+    with pytest.raises(ValueError, match="closed"):
+        slab.write(torch.zeros(1, VOCAB))
