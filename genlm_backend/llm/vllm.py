@@ -48,11 +48,17 @@ class AsyncVirtualLM(AsyncLM):
             :class:`~genlm_backend.batching.BatchingConfig`).
         max_sessions: Most particle sessions kept open (each holds its keys/values
             in vLLM's KV cache); ``None``: twice ``batch_size``, or as many as the
-            scheduler has request slots when ``batch_size`` is ``None``; 0 turns sessions off.
+            scheduler has request slots when ``batch_size`` is ``None``, and 0 where
+            sessions are not supported (see
+            :func:`~genlm_backend.llm.vllm_compat.sessions_unsupported_reason`);
+            0 turns sessions off.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
-        ValueError: the engine was not built for capture, or a bad ``max_sessions``.
+        ValueError: the engine was not built for capture, a bad ``max_sessions``,
+            or ``max_sessions > 0`` on an engine that cannot run sessions
+            (pipeline parallelism, the engine core in another process,
+            Model Runner V2); the message names which.
         ImportError: the installed vLLM is not a supported version.
     """
 
@@ -79,6 +85,9 @@ class AsyncVirtualLM(AsyncLM):
                 "llm_engine was not built for log-probability capture; build it with "
                 "AsyncVirtualLM.from_name(...) or build_capture_engine(EngineArgs(...))"
             ) from exc
+        if max_sessions is None:
+            max_sessions = _default_max_sessions(batch_size, self.llm_engine)
+        _check_sessions_supported(self.llm_engine, max_sessions)
         vllm_config = self.llm_engine.vllm_config
         kwargs.setdefault("max_context_length", vllm_config.model_config.max_model_len - 1)
         kwargs.setdefault("device", vllm_config.device_config.device)
@@ -88,12 +97,7 @@ class AsyncVirtualLM(AsyncLM):
             timeout_s=timeout,
             **kwargs,
         )
-        sessions = (
-            _default_max_sessions(batch_size, self.llm_engine)
-            if max_sessions is None
-            else max_sessions
-        )
-        self.runner = VLLMRunner(self.llm_engine, self.vocab_size, self.device, sessions)
+        self.runner = VLLMRunner(self.llm_engine, self.vocab_size, self.device, max_sessions)
 
     @classmethod
     def from_name(
@@ -130,6 +134,8 @@ class AsyncVirtualLM(AsyncLM):
 
     @max_sessions.setter
     def max_sessions(self, value: int) -> None:
+        if self.llm_engine is not None:
+            _check_sessions_supported(self.llm_engine, value)
         self.runner.max_sessions = value
 
     @property
@@ -148,8 +154,23 @@ class AsyncVirtualLM(AsyncLM):
 
 
 def _default_max_sessions(batch_size: int | None, engine) -> int:
-    """Twice an explicit ``batch_size``; otherwise every request slot of the scheduler."""
-    if batch_size is not None:
-        return 2 * batch_size
+    """Twice an explicit ``batch_size``, else every request slot of the scheduler; 0 where unsupported."""
     scheduler = vllm_compat.in_process_scheduler(engine)
-    return 0 if scheduler is None else scheduler.max_num_active_reqs
+    if scheduler is None:
+        return 0
+    return 2 * batch_size if batch_size is not None else scheduler.max_num_active_reqs
+
+
+def _check_sessions_supported(engine, max_sessions: int) -> None:
+    """Refuse ``max_sessions > 0`` on an engine that cannot run particle sessions.
+
+    Raises:
+        ValueError: naming why the engine cannot run them.
+    """
+    reason = vllm_compat.sessions_unsupported_reason(engine) if max_sessions > 0 else None
+    if reason is not None:
+        raise ValueError(
+            f"max_sessions={max_sessions}, but particle sessions cannot run here: {reason}; "
+            "pass max_sessions=0 (or leave it unset): every context then runs as a plain "
+            "request, with the same rows"
+        )
