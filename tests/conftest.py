@@ -118,18 +118,22 @@ def build_tiny_gpt2(vocab_size: int, seed: int = 0):
     return GPT2LMHeadModel(config).eval()
 
 
-def build_tiny_llama(vocab_size: int, seed: int = 0):
-    """A 2-layer Llama with random weights, grouped-query attention and RoPE (head_dim 64)."""
+def build_tiny_llama(vocab_size: int, seed: int = 0, num_heads: int = 2):
+    """A 2-layer Llama with random weights, grouped-query attention and RoPE.
+
+    ``num_heads`` query heads of 64 (vLLM's CPU attention needs that size) over
+    half as many key/value heads.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
+        hidden_size=64 * num_heads,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2,
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=False,

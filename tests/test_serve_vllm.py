@@ -1,8 +1,12 @@
-"""A vLLM engine behind ``genlm-backend serve --backend vllm``: rows and scores through a real server process.
+"""A vLLM model behind a real ``genlm-backend serve --backend vllm`` process agrees with transformers.
 
-The server runs vLLM's CPU build on a tiny random GPT-2 saved to a folder; the
-client is a ``RemoteLM`` in this process. Reference: a plain transformers
-forward of the same weights. Tolerance: 1e-3 absolute, as for vLLM in process.
+The server process runs ``AsyncVirtualLM`` (vLLM's CPU build here) on a tiny
+random GPT-2 over the real GPT-2 tokenizer, saved to a folder that the
+reference loads too. Reference: ``log_softmax(model(context).logits[0, -1])``
+in fp32, one context at a time; tolerance 1e-3 absolute, as in test_vllm.py.
+Particles step through the server, so its particle sessions are exercised:
+the server's own counters show one token computed per particle per step. A
+continuation is scored through the server as well.
 """
 
 from __future__ import annotations
@@ -22,15 +26,37 @@ from tests.serve_support import ServerProcess
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 ATOL = 1e-3
-ENGINE_OPTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}
+START_TIMEOUT_S = 180.0  # importing vLLM and starting its engine on a busy 2-core machine
+ENGINE_OPTS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "gpu_memory_utilization": 0.3,
+}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, gpt2_tokenizer):
-    folder = tmp_path_factory.mktemp("served-tiny-gpt2")
-    build_tiny_gpt2(len(gpt2_tokenizer), seed=5).save_pretrained(folder)
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    build_tiny_gpt2(len(gpt2_tokenizer)).save_pretrained(folder)
     gpt2_tokenizer.save_pretrained(folder)
     return folder
+
+
+def start_vllm_server(model_dir) -> ServerProcess:
+    """``genlm-backend serve --backend vllm`` on ``model_dir``, started and listening."""
+    llm_opts = json.dumps({"engine_opts": ENGINE_OPTS})
+    server = ServerProcess(
+        ["-m", "genlm_backend", "serve", "--backend", "vllm", "--model", str(model_dir)]
+        + ["--port", "0", "--llm-opts", llm_opts]
+    )
+    try:
+        server.url = server.wait_for(r"listening on (http://\S+)", START_TIMEOUT_S).group(1)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def reference(model, context) -> torch.Tensor:
@@ -39,29 +65,33 @@ def reference(model, context) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def test_rows_and_scores_through_a_vllm_server_match_transformers(model_dir):
+def test_particles_through_a_vllm_server_match_transformers(model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    opts = json.dumps({"engine_opts": ENGINE_OPTS})
-    server = ServerProcess.cli(
-        "--backend", "vllm", "--model", str(model_dir), "--port", "0", "--llm-opts", opts
-    )
+    server = start_vllm_server(model_dir)
     try:
         with RemoteLM(server.url) as remote:
             assert remote.server_backend == "vllm"
-            contexts = [[5, 6, 7 + i] for i in range(6)]
-            for _ in range(3):  # particles stepping together, one round trip a step
+            assert remote.max_context_length == ENGINE_OPTS["max_model_len"] - 1
+            prompt = remote.tokenizer.encode("Particles in flight, one model")
+            particles = [prompt + [token] for token in range(6)]  # within the session slots
+            for step in range(3):
 
-                async def step(contexts=contexts):
+                async def gather(contexts=particles):
                     return await asyncio.gather(*map(remote.next_token_logprobs, contexts))
 
-                rows = asyncio.run(step())
-                for context, row in zip(contexts, rows):
+                computed_before = remote.server_stats()[0].num_tokens_computed
+                rows = torch.stack(asyncio.run(gather()))
+                assert rows.dtype == torch.float32 and rows.shape == (6, remote.vocab_size)
+                for context, row in zip(particles, rows):
                     expected = reference(model, context)[: remote.vocab_size]
                     torch.testing.assert_close(row, expected, atol=ATOL, rtol=0)
-                contexts = [c + [int(row.argmax())] for c, row in zip(contexts, rows)]
-            context, continuation = [9, 10, 11], [12, 13, 14]
+                computed = remote.server_stats()[0].num_tokens_computed - computed_before
+                if step > 0:  # each particle continues its session on the server
+                    assert computed == len(particles)
+                particles = [p + [int(row.argmax())] for p, row in zip(particles, rows)]
+            context, continuation = prompt, [12, 13, 14]  # scored through the server too
             scores = remote.continuation_logprobs_sync(context, continuation)
             expected = [
                 reference(model, context + continuation[:i])[token].item()

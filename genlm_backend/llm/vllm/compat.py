@@ -134,41 +134,51 @@ def is_busy(scheduler, request_id: str) -> bool:
     return request is not None and request.status != RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
-def in_process_scheduler(engine):
-    """The scheduler particle sessions use, or ``None`` where they are not supported (see :func:`sessions_unsupported`)."""
-    if sessions_unsupported(engine) is not None:
-        return None
-    return engine.engine_core.engine_core.scheduler
-
-
 def sessions_unsupported(engine) -> str | None:
     """Why particle sessions cannot run on ``engine``, or ``None`` where they can.
 
-    Supported: the engine core in this process, one worker, the V1 model runner
-    (the one sessions were tested with).
+    They drive the engine core's scheduler, so they need the engine core in
+    this process; and the V1 model runner and one pipeline stage, the
+    settings they were tested with (one worker, or several tensor-parallel
+    workers: the scheduler is the same). Pipeline parallelism was never run:
+    vLLM's CPU build fails on it in its own engine.
     """
-    core = getattr(engine.engine_core, "engine_core", None)
     config = engine.vllm_config
-    if getattr(core, "scheduler", None) is None:
-        return "the engine core runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING)"
-    if config.parallel_config.world_size != 1:
-        parallel = config.parallel_config
-        return (
-            f"the engine runs {parallel.world_size} workers (tensor_parallel_size="
-            f"{parallel.tensor_parallel_size}, pipeline_parallel_size="
-            f"{parallel.pipeline_parallel_size}); sessions need one"
-        )
+    if _scheduler(engine) is None:
+        return "the engine core runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1)"
     if config.use_v2_model_runner:
-        return "the engine uses vLLM's V2 model runner"
+        return "the engine runs Model Runner V2"
+    num_stages = config.parallel_config.pipeline_parallel_size
+    if num_stages != 1:
+        return f"the engine runs pipeline_parallel_size={num_stages}"
     return None
+
+
+def in_process_scheduler(engine):
+    """The scheduler particle sessions use, or ``None`` where they are not supported (see :func:`sessions_unsupported`)."""
+    return None if sessions_unsupported(engine) is not None else _scheduler(engine)
+
+
+def _scheduler(engine):
+    core = getattr(engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
 
 
 def underlying_model(engine):
     """The torch model the engine's (single, in-process) worker runs.
 
     Raises:
-        RuntimeError: the engine core or its worker is not in this process.
+        RuntimeError: the model runs in several workers, or the engine core or
+            its worker is not in this process.
     """
+    parallel = engine.vllm_config.parallel_config
+    if parallel.world_size != 1:
+        raise RuntimeError(
+            f"the model runs in {parallel.world_size} worker processes "
+            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}); "
+            "underlying_model needs one worker"
+        )
     try:
         worker = engine.engine_core.engine_core.model_executor.driver_worker.worker
         return worker.model_runner.model

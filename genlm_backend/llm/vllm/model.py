@@ -48,11 +48,15 @@ class AsyncVirtualLM(AsyncLM):
             :class:`~genlm_backend.batching.BatchingConfig`).
         max_sessions: Most particle sessions kept open (each holds its keys/values
             in vLLM's KV cache); ``None``: twice ``batch_size``, or as many as the
-            scheduler has request slots when ``batch_size`` is ``None``; 0 turns sessions off.
+            scheduler has request slots when ``batch_size`` is ``None``, and 0 where
+            sessions are not supported (see
+            :func:`~genlm_backend.llm.vllm.compat.sessions_unsupported`);
+            0 turns sessions off.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
-        ValueError: the engine was not built for capture, or a bad ``max_sessions``.
+        ValueError: the engine was not built for capture, a bad ``max_sessions``,
+            or ``max_sessions > 0`` on an engine that cannot run sessions.
         ImportError: the installed vLLM is not a supported version.
     """
 
@@ -79,6 +83,9 @@ class AsyncVirtualLM(AsyncLM):
                 "llm_engine was not built for log-probability capture; build it with "
                 "AsyncVirtualLM.from_name(...) or build_capture_engine(EngineArgs(...))"
             ) from exc
+        self.sessions_unsupported = vllm_compat.sessions_unsupported(self.llm_engine)
+        """Why particle sessions are off on this engine (``None``: they are available)."""
+        _check_sessions(max_sessions, self.sessions_unsupported)
         vllm_config = self.llm_engine.vllm_config
         kwargs.setdefault("max_context_length", vllm_config.model_config.max_model_len - 1)
         kwargs.setdefault("device", vllm_config.device_config.device)
@@ -88,9 +95,6 @@ class AsyncVirtualLM(AsyncLM):
             timeout_s=timeout,
             **kwargs,
         )
-        self.sessions_unsupported = vllm_compat.sessions_unsupported(self.llm_engine)
-        """Why particle sessions are off on this engine (``None``: they are available)."""
-        _check_sessions(max_sessions, self.sessions_unsupported)
         sessions = (
             _default_max_sessions(batch_size, self.sessions_unsupported, self.llm_engine)
             if max_sessions is None
@@ -168,7 +172,7 @@ def _check_sessions(max_sessions: int | None, unsupported: str | None) -> None:
     """
     if max_sessions and unsupported is not None:
         raise ValueError(
-            f"max_sessions={max_sessions}: particle sessions are not available here ({unsupported}); "
-            "leave max_sessions unset or pass 0 (each request then runs as a plain vLLM request, "
-            "its prefix from vLLM's prefix cache)"
+            f"max_sessions={max_sessions}, but particle sessions cannot run here: {unsupported}; "
+            "pass max_sessions=0 (or leave it unset): every context then runs as a plain "
+            "request, with the same rows"
         )
