@@ -12,7 +12,10 @@ one ``next_token_logprobs`` per particle per step, seeded) from a shared
 * **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
 
 Time is from "go" to the last process done (model loading excluded, warm-up
-excluded; the 4-models load time is reported apart). Model processes use
+excluded; the 4-models load time is reported apart); each setup's time is
+also given over the in-process time of the same round (the median of those
+ratios), and the CPU seconds all its processes used meanwhile (what a busy
+machine's other tenants cannot take away). Model processes use
 torch's default thread count (the machine's cores); served clients use
 ``--client-threads`` (1: they only sample and copy rows, and on a busy
 machine a second OpenMP thread makes every small tensor operation wait). Memory is the peak RSS
@@ -43,6 +46,14 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 NUM_PROCESSES = 4
 sys.path.insert(0, str(REPO))  # this checkout's genlm_backend, also when another is installed
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mb(pid: int | str = "self") -> float:
@@ -110,20 +121,30 @@ def wait_line(process: subprocess.Popen, prefix: str) -> str:
     raise RuntimeError(f"process {process.args} ended before {prefix!r}")
 
 
-def run_group(workers: list[list[str]], tree: Path = REPO) -> tuple[float, list[dict]]:
-    """Start workers, wait until all are ready, say go; (wall seconds, their results)."""
+def run_group(
+    workers: list[list[str]], tree: Path = REPO, server_pid: int | None = None
+) -> tuple[float, float, list[dict]]:
+    """Start workers, wait until all are ready, say go.
+
+    Returns wall seconds, CPU seconds of the workers and the server between
+    "go" and each one's result, and the workers' results.
+    """
     processes = [start(argv, tree) for argv in workers]
     for process in processes:
         wait_line(process, "ready")
+    pids = [process.pid for process in processes] + ([server_pid] if server_pid else [])
+    cpu_before = sum(map(cpu_s, pids))
     started = time.perf_counter()
     for process in processes:
         process.stdin.write("go\n")  # type: ignore[union-attr]
         process.stdin.flush()  # type: ignore[union-attr]
     results = [json.loads(wait_line(process, "result ")) for process in processes]
     wall_s = time.perf_counter() - started
+    cpu = sum(map(cpu_s, pids)) - cpu_before  # workers still alive: they wait on stdin to close
     for process in processes:
+        process.stdin.close()  # type: ignore[union-attr]
         process.wait(timeout=60)
-    return wall_s, results
+    return wall_s, cpu, results
 
 
 def worker_argv(
@@ -228,18 +249,19 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
             workers = [
                 worker_argv(p, s, i, url, args.client_threads, tree) for i in range(NUM_PROCESSES)
             ]
-            wall, results = run_group(workers, tree)
+            wall, cpu, results = run_group(workers, tree, server.pid)
             extra_rss = peak_rss_mb(server.pid)
             batches = server_batches(url)
         finally:
             stop_server(server)
     elif setup == "in-process":
-        wall, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
+        wall, cpu, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
     else:
-        wall, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
+        wall, cpu, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
     return {
         "server_batches": batches,
         "wall_s": wall,
+        "cpu_s": cpu,
         "rss_mb": extra_rss + sum(r["rss_mb"] for r in results),
         "load_s": max(r["load_s"] for r in results),
     }
@@ -312,31 +334,40 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
 
 
 def report_runs(runs: dict[str, list[dict]], total: int, args: argparse.Namespace) -> list:
-    """Print the setups' table; its rows for the plot."""
+    """Print the setups' table; its rows for the plot.
+
+    "vs in-process" is the median, over runs, of each run's time over the
+    in-process time of the same round of the interleaving; CPU seconds are
+    those of every process of the setup (server included) from "go" to the end.
+    """
     p, s = args.particles, args.steps
     print(
         f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); "
         f"SmolLM2-135M fp32, CPU; median of {args.runs} interleaved runs"
     )
     print(
-        "| setup | seconds (median) | tokens/s | vs in-process | all runs (s) "
-        "| peak RSS, all processes (MB) | load + warm-up (s) | server batches (mean size) |"
+        "| setup | seconds (median) | tokens/s | vs in-process (paired runs) | all runs (s) "
+        "| CPU s, all processes | peak RSS, all processes (MB) | load + warm-up (s) "
+        "| server batches (mean size) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    medians = {
-        setup: statistics.median(r["wall_s"] for r in results) for setup, results in runs.items()
-    }
-    base = medians.get("in-process", float("nan"))
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = runs.get("in-process")
     rows = []
     for setup, results in runs.items():
-        wall = medians[setup]
+        wall = statistics.median(r["wall_s"] for r in results)
+        ratio = (
+            statistics.median(r["wall_s"] / b["wall_s"] for r, b in zip(results, base))
+            if base
+            else float("nan")
+        )
+        cpu = statistics.median(r["cpu_s"] for r in results)
         rss = statistics.median(r["rss_mb"] for r in results)
         load_s = statistics.median(r["load_s"] for r in results)
         all_runs = ", ".join(f"{r['wall_s']:.2f}" for r in results)
-        batches = ", ".join(r["server_batches"] or "-" for r in results)
+        batches = sorted({r["server_batches"] or "-" for r in results})
         print(
-            f"| {SETUPS[setup]} | {wall:.2f} | {total / wall:.0f} | {wall / base:.2f}x "
-            f"| {all_runs} | {rss:.0f} | {load_s:.1f} | {batches} |"
+            f"| {SETUPS[setup]} | {wall:.2f} | {total / wall:.0f} | {ratio:.2f}x | {all_runs} "
+            f"| {cpu:.1f} | {rss:.0f} | {load_s:.1f} | {', '.join(batches)} |"
         )
         rows.append((SETUPS[setup], wall, rss, load_s))
     return rows
