@@ -52,6 +52,11 @@ if [ "$backend" = "ours" ]; then
     # The test extra brings MLX, which upstream's venv lacks: with it, llamppl's suite
     # would run on MLX instead of transformers, and upstream's own MLX tests would run.
     "$python" -m pip uninstall -q -y mlx-lm mlx mlx-cpu
+    # The wheels leave folders (include/, share/) in site-packages/mlx, which the import
+    # system takes for a namespace package: clients that probe find_spec("mlx") would
+    # still see MLX. Remove them, and check that MLX is gone.
+    rm -rf "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mlx"
+    "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("mlx") is not None)'
 else
     "$python" -m pip install -q -c "$constraints" "genlm-backend==0.3.1" "peft>=0.17" \
         pytest pytest-asyncio pytest-timeout hypothesis psutil
