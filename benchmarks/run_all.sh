@@ -20,6 +20,10 @@ python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --repeats 1 \
 python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particles.png
 python benchmarks/bench_long_prompt.py --workloads 32x16@1024 32x16@4096 \
     --variants floor ours ncopies upstream --upstream-python "$upstream_python" | tee "$out/long_prompt.md"
+bash benchmarks/upstream_mlx_env.sh > /dev/null
+python benchmarks/bench_mlx.py --workloads 16x32@25 --repeats 3 | tee "$out/mlx.md"
+python benchmarks/bench_mlx.py --workloads 32x16@1024 --repeats 2 | tail -n 4 | tee -a "$out/mlx.md"
+python benchmarks/bench_mlx.py --workloads 16x8@25~2 --variants ours upstream hf --repeats 1 | tail -n 3 | tee -a "$out/mlx.md"
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/trie_2threads.md"
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
 python benchmarks/bench_vocab.py | tee "$out/vocab.md"
