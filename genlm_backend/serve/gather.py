@@ -8,19 +8,21 @@ other clients are still sampling from their rows: that request goes alone,
 the others queue behind it, and from then on the clients step out of phase,
 two batches per step. :class:`StepGather` restores the in-process rule
 across processes with one piece of knowledge the server has: which clients
-it just answered. A client it answered is *expected back*; requests are
-held until
+it answered. A client it answered is *expected back* until its next request
+arrives; requests are held until
 
 * no request is computing (the model is busy anyway: they would queue), and
 * every client expected back has come back (its next request is held too),
 
 and then all go to the model together, in one event-loop pass, where the
-batcher takes them as one batch. A client that stops stepping (its job
+batcher takes them as one batch. A client that does not come back (its job
 ended, or it works on something else) is waited for at most as long as the
-last group took to compute: past that, a batch of its own would have cost
-no more than the wait (the ski-rental bound: at worst twice the better of
-"wait" and "go now"). So there is no count or timeout to tune; a client
-whose session closes is not waited for at all.
+last group that ran the model took, counted from when a request starts
+waiting for it: past that, a batch of its own would have cost no more than
+the wait (the ski-rental bound: at worst twice the better of "wait" and "go
+now"). It is then no longer expected, until it is answered again. So there
+is no count or timeout to tune; a client whose session closes is not
+waited for at all.
 
 Requests without a client identity (other client libraries) are never
 expected back: they go with the next group.
@@ -44,7 +46,7 @@ class GatherStats:
     num_requests: int
     """Requests let through."""
     num_waits_given_up: int
-    """Times a group went without a client that was expected back (it took longer than a group)."""
+    """Times requests went without clients they waited for (those took longer than a group)."""
     num_held: int
     """Requests waiting now."""
 
@@ -58,15 +60,25 @@ class StepGather:
 
     Args:
         clock: Seconds, to time groups (``None``: the event loop's clock).
+        num_forward_passes: The model's count of forward passes so far; a
+            group during which it did not change (its rows were all cached)
+            says nothing about what a batch costs, so it does not set the
+            wait bound. ``None``: every group sets it.
     """
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] | None = None,
+        num_forward_passes: Callable[[], int] | None = None,
+    ) -> None:
         self._clock = clock
+        self._num_forward_passes = num_forward_passes
         self._held: list[tuple[Hashable, asyncio.Future]] = []
         self._computing: Counter[Hashable] = Counter()
         self._expected: set[Hashable] = set()
         self._group_started_at = 0.0
-        self._last_group_s = 0.0
+        self._passes_at_release = 0
+        self._wait_bound_s = 0.0
         self._give_up: asyncio.TimerHandle | None = None
         self._counts = dict.fromkeys(("groups", "requests", "given_up"), 0)
 
@@ -108,8 +120,7 @@ class StepGather:
             if is_expected_back and not any(held == client for held, _ in self._held):
                 self._expected.add(client)
         if not self._computing:
-            self._last_group_s = max(0.0, self._now() - self._group_started_at)
-            self._arm_give_up()
+            self._end_group()
         self._release_if_ready()
 
     def forget(self, client: Hashable) -> None:
@@ -120,22 +131,17 @@ class StepGather:
     def _now(self) -> float:
         return asyncio.get_running_loop().time() if self._clock is None else self._clock()
 
-    def _arm_give_up(self) -> None:
-        """Stop waiting for the clients expected back once they take longer than the last group."""
-        if self._give_up is not None:
-            self._give_up.cancel()
-        loop = asyncio.get_running_loop()
-        self._give_up = loop.call_later(self._last_group_s, self._on_give_up)
-
-    def _on_give_up(self) -> None:
-        self._give_up = None
-        if self._expected and self._held:
-            self._counts["given_up"] += 1
-        self._expected.clear()
-        self._release_if_ready()
+    def _end_group(self) -> None:
+        """The last request of a group is done: its duration bounds later waits, if it ran the model."""
+        passes = self._num_forward_passes
+        if passes is None or passes() != self._passes_at_release:
+            self._wait_bound_s = max(0.0, self._now() - self._group_started_at)
 
     def _release_if_ready(self) -> None:
-        if not self._held or self._computing or self._expected:
+        if not self._held or self._computing:
+            return
+        if self._expected:
+            self._wait_for_expected()
             return
         if self._give_up is not None:
             self._give_up.cancel()
@@ -145,8 +151,24 @@ class StepGather:
         if not held:
             return
         self._group_started_at = self._now()
+        if self._num_forward_passes is not None:
+            self._passes_at_release = self._num_forward_passes()
         self._counts["groups"] += 1
         self._counts["requests"] += len(held)
         for client, future in held:
             self._computing[client] += 1
             future.set_result(None)
+
+    def _wait_for_expected(self) -> None:
+        """Requests wait for the clients expected back: at most the wait bound, from now."""
+        if self._give_up is None:
+            loop = asyncio.get_running_loop()
+            self._give_up = loop.call_later(self._wait_bound_s, self._on_give_up)
+
+    def _on_give_up(self) -> None:
+        self._give_up = None
+        if not self._held or self._computing:
+            return  # nobody waits any more: those clients stay expected
+        self._counts["given_up"] += 1
+        self._expected.clear()
+        self._release_if_ready()
