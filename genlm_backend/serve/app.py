@@ -85,7 +85,7 @@ class ServeApp:
         self._in_flight: set[asyncio.Task] = set()
         self._held_sessions: set[asyncio.Task] = set()
         self.sessions = SlabSessions(lm.vocab_size)
-        self.gather = StepGather(num_forward_passes=lambda: lm.stats.num_batches)
+        self.gather = StepGather()
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
         self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))

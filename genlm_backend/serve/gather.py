@@ -17,12 +17,12 @@ arrives; requests are held until
 and then all go to the model together, in one event-loop pass, where the
 batcher takes them as one batch. A client that does not come back (its job
 ended, or it works on something else) is waited for at most as long as the
-last group that ran the model took, counted from when a request starts
-waiting for it: past that, a batch of its own would have cost no more than
-the wait (the ski-rental bound: at worst twice the better of "wait" and "go
-now"). It is then no longer expected, until it is answered again. So there
-is no count or timeout to tune; a client whose session closes is not
-waited for at all.
+last group of the clients involved took (the waiting ones and those waited
+for; the longest), counted from when the wait starts: past that, a group of
+the waiting requests would have cost no more than the wait (the ski-rental
+bound: at worst twice the better of "wait" and "go now"). The client is then
+no longer expected, until it is answered again. So there is no count or timeout to
+tune; a client whose session closes is not waited for at all.
 
 Requests without a client identity (other client libraries) are never
 expected back: they go with the next group.
@@ -60,25 +60,16 @@ class StepGather:
 
     Args:
         clock: Seconds, to time groups (``None``: the event loop's clock).
-        num_forward_passes: The model's count of forward passes so far; a
-            group during which it did not change (its rows were all cached)
-            says nothing about what a batch costs, so it does not set the
-            wait bound. ``None``: every group sets it.
     """
 
-    def __init__(
-        self,
-        clock: Callable[[], float] | None = None,
-        num_forward_passes: Callable[[], int] | None = None,
-    ) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock
-        self._num_forward_passes = num_forward_passes
         self._held: list[tuple[Hashable, asyncio.Future]] = []
         self._computing: Counter[Hashable] = Counter()
         self._expected: set[Hashable] = set()
         self._group_started_at = 0.0
-        self._passes_at_release = 0
-        self._wait_bound_s = 0.0
+        self._group: set[Hashable] = set()  # the clients of the last group let through
+        self._last_group_s: dict[Hashable, float] = {}  # of each client expected back
         self._give_up: asyncio.TimerHandle | None = None
         self._counts = dict.fromkeys(("groups", "requests", "given_up"), 0)
 
@@ -126,16 +117,18 @@ class StepGather:
     def forget(self, client: Hashable) -> None:
         """``client`` went away: do not wait for it."""
         self._expected.discard(client)
+        self._last_group_s.pop(client, None)
         self._release_if_ready()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time() if self._clock is None else self._clock()
 
     def _end_group(self) -> None:
-        """The last request of a group is done: its duration bounds later waits, if it ran the model."""
-        passes = self._num_forward_passes
-        if passes is None or passes() != self._passes_at_release:
-            self._wait_bound_s = max(0.0, self._now() - self._group_started_at)
+        """The last request of a group is done: its duration bounds its clients' next waits."""
+        duration_s = max(0.0, self._now() - self._group_started_at)
+        for client in self._group:
+            if client in self._expected:
+                self._last_group_s[client] = duration_s
 
     def _release_if_ready(self) -> None:
         if not self._held or self._computing:
@@ -151,8 +144,7 @@ class StepGather:
         if not held:
             return
         self._group_started_at = self._now()
-        if self._num_forward_passes is not None:
-            self._passes_at_release = self._num_forward_passes()
+        self._group = {client for client, _ in held}
         self._counts["groups"] += 1
         self._counts["requests"] += len(held)
         for client, future in held:
@@ -160,15 +152,19 @@ class StepGather:
             future.set_result(None)
 
     def _wait_for_expected(self) -> None:
-        """Requests wait for the clients expected back: at most the wait bound, from now."""
+        """Requests wait for the clients expected back, from now on, at most the longest last group
+        of the clients involved (waiting and waited for): what a group of theirs costs."""
         if self._give_up is None:
-            loop = asyncio.get_running_loop()
-            self._give_up = loop.call_later(self._wait_bound_s, self._on_give_up)
+            involved = [client for client, _ in self._held] + list(self._expected)
+            bound_s = max(self._last_group_s.get(client, 0.0) for client in involved)
+            self._give_up = asyncio.get_running_loop().call_later(bound_s, self._on_give_up)
 
     def _on_give_up(self) -> None:
         self._give_up = None
         if not self._held or self._computing:
             return  # nobody waits any more: those clients stay expected
         self._counts["given_up"] += 1
+        for client in self._expected:
+            self._last_group_s.pop(client, None)
         self._expected.clear()
         self._release_if_ready()
