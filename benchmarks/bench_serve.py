@@ -164,12 +164,15 @@ def worker_argv(
 # ---------------------------------------------------------------- round trip
 
 
-def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, float, float]]:
+def round_trips(
+    urls: list[str], repeats: int, threads: int
+) -> dict[int, tuple[float, float, float]]:
     """rows -> (served through shared memory, served in answer bodies, in-process) ms per batch.
 
     One batch of rows held in an output cache: the server's for the served
-    clients (theirs is off), the model's own in-process. All in this process,
-    with ``threads`` torch threads (no model work runs).
+    clients (theirs is off; each its own server, ``urls``), the model's own
+    in-process. All in this process, with ``threads`` torch threads (no model
+    work runs).
     """
     import torch
 
@@ -177,15 +180,15 @@ def round_trips(url: str, repeats: int, threads: int) -> dict[int, tuple[float, 
     from genlm_backend.serve import RemoteLM
 
     torch.set_num_threads(threads)
-    shared = RemoteLM(url, output_cache_bytes=0)
-    bodies = RemoteLM(url, output_cache_bytes=0, shared_memory=False)
+    shared = RemoteLM(urls[0], output_cache_bytes=0)
+    bodies = RemoteLM(urls[1], output_cache_bytes=0, shared_memory=False)
     local = load_model_by_name(backend="hf")
     prompt = shared.tokenizer.encode(PROMPT)[:25]
     figures = {}
     for rows in (1, 16, 64):
         contexts = [prompt + [token] for token in range(rows)]
-        local.batch_next_token_logprobs_sync(contexts)
-        shared.batch_next_token_logprobs_sync(contexts)  # now in the server's output cache
+        for lm in (local, shared, bodies):
+            lm.batch_next_token_logprobs_sync(contexts)  # now in the output caches
         times = asyncio.run(interleaved((shared, bodies, local), contexts, repeats))
         figures[rows] = tuple(1e3 * statistics.median(t) for t in times)
     if shared.runner.slab_name is None:
@@ -308,11 +311,14 @@ def main() -> None:
         for setup in setups:
             runs[setup].append(measure_setup(setup, args))
             print(f"run {run + 1}: {setup}: {runs[setup][-1]['wall_s']:.2f} s", file=sys.stderr)
-    server, url = start_server()
+    # A server per served client: two clients taking turns on one server would each
+    # wait for the other (the server's step gather expects a client it answered back).
+    servers = [start_server(), start_server()]
     try:
-        trips = round_trips(url, args.repeats, args.client_threads)
+        trips = round_trips([url for _, url in servers], args.repeats, args.client_threads)
     finally:
-        stop_server(server)
+        for server, _ in servers:
+            stop_server(server)
     report(runs, trips, args)
 
 

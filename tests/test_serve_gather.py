@@ -96,6 +96,28 @@ async def test_a_client_that_does_not_come_back_is_waited_for_no_longer_than_a_g
     await gather.admit("a")  # a, back later, goes at once: nothing computes, nobody is expected
 
 
+async def test_a_new_client_waits_for_the_stepping_ones_as_long_as_their_groups_take():
+    clock = Clock()
+    gather = StepGather(clock)
+    await a_group_that_took(gather, clock, LONG_S, "a", "b")
+    newcomer = await held(gather, "c")
+    for _ in range(10):  # a and b are waited for up to LONG_S: c stays held
+        await asyncio.sleep(0)
+    assert not newcomer.done()
+    await asyncio.gather(gather.admit("a"), gather.admit("b"), newcomer)  # one group of three
+    assert gather.stats.num_groups == 3 and gather.stats.num_waits_given_up == 0
+
+
+async def test_clients_taking_turns_wait_for_each_other_no_longer_than_their_groups():
+    """One client's answer is what the other waits for: each wait ends at the bound (0 here)."""
+    clock = Clock()
+    gather = StepGather(clock)
+    for client in ("a", "b", "a", "b"):
+        await gather.admit(client)
+        gather.answered(client)
+    assert gather.stats.num_groups == 4 and gather.stats.num_waits_given_up == 3
+
+
 async def test_a_request_whose_client_is_not_expected_back_holds_nobody():
     clock = Clock()
     gather = StepGather(clock)

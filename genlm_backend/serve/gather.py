@@ -8,19 +8,21 @@ other clients are still sampling from their rows: that request goes alone,
 the others queue behind it, and from then on the clients step out of phase,
 two batches per step. :class:`StepGather` restores the in-process rule
 across processes with one piece of knowledge the server has: which clients
-it just answered. A client it answered is *expected back*; requests are
-held until
+it answered. A client it answered is *expected back* until its next request
+arrives; requests are held until
 
 * no request is computing (the model is busy anyway: they would queue), and
 * every client expected back has come back (its next request is held too),
 
 and then all go to the model together, in one event-loop pass, where the
-batcher takes them as one batch. A client that stops stepping (its job
+batcher takes them as one batch. A client that does not come back (its job
 ended, or it works on something else) is waited for at most as long as the
-last group took to compute: past that, a batch of its own would have cost
-no more than the wait (the ski-rental bound: at worst twice the better of
-"wait" and "go now"). So there is no count or timeout to tune; a client
-whose session closes is not waited for at all.
+last group of the clients involved took (the waiting ones and those waited
+for; the longest), counted from when the wait starts: past that, a group of
+the waiting requests would have cost no more than the wait (the ski-rental
+bound: at worst twice the better of "wait" and "go now"). The client is then
+no longer expected, until it is answered again. So there is no count or timeout to
+tune; a client whose session closes is not waited for at all.
 
 Requests without a client identity (other client libraries) are never
 expected back: they go with the next group.
@@ -44,7 +46,7 @@ class GatherStats:
     num_requests: int
     """Requests let through."""
     num_waits_given_up: int
-    """Times a group went without a client that was expected back (it took longer than a group)."""
+    """Times requests went without clients they waited for (those took longer than a group)."""
     num_held: int
     """Requests waiting now."""
 
@@ -66,7 +68,8 @@ class StepGather:
         self._computing: Counter[Hashable] = Counter()
         self._expected: set[Hashable] = set()
         self._group_started_at = 0.0
-        self._last_group_s = 0.0
+        self._group: set[Hashable] = set()  # the clients of the last group let through
+        self._last_group_s: dict[Hashable, float] = {}  # of each client expected back
         self._give_up: asyncio.TimerHandle | None = None
         self._counts = dict.fromkeys(("groups", "requests", "given_up"), 0)
 
@@ -108,34 +111,30 @@ class StepGather:
             if is_expected_back and not any(held == client for held, _ in self._held):
                 self._expected.add(client)
         if not self._computing:
-            self._last_group_s = max(0.0, self._now() - self._group_started_at)
-            self._arm_give_up()
+            self._end_group()
         self._release_if_ready()
 
     def forget(self, client: Hashable) -> None:
         """``client`` went away: do not wait for it."""
         self._expected.discard(client)
+        self._last_group_s.pop(client, None)
         self._release_if_ready()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time() if self._clock is None else self._clock()
 
-    def _arm_give_up(self) -> None:
-        """Stop waiting for the clients expected back once they take longer than the last group."""
-        if self._give_up is not None:
-            self._give_up.cancel()
-        loop = asyncio.get_running_loop()
-        self._give_up = loop.call_later(self._last_group_s, self._on_give_up)
-
-    def _on_give_up(self) -> None:
-        self._give_up = None
-        if self._expected and self._held:
-            self._counts["given_up"] += 1
-        self._expected.clear()
-        self._release_if_ready()
+    def _end_group(self) -> None:
+        """The last request of a group is done: its duration bounds its clients' next waits."""
+        duration_s = max(0.0, self._now() - self._group_started_at)
+        for client in self._group:
+            if client in self._expected:
+                self._last_group_s[client] = duration_s
 
     def _release_if_ready(self) -> None:
-        if not self._held or self._computing or self._expected:
+        if not self._held or self._computing:
+            return
+        if self._expected:
+            self._wait_for_expected()
             return
         if self._give_up is not None:
             self._give_up.cancel()
@@ -145,8 +144,27 @@ class StepGather:
         if not held:
             return
         self._group_started_at = self._now()
+        self._group = {client for client, _ in held}
         self._counts["groups"] += 1
         self._counts["requests"] += len(held)
         for client, future in held:
             self._computing[client] += 1
             future.set_result(None)
+
+    def _wait_for_expected(self) -> None:
+        """Requests wait for the clients expected back, from now on, at most the longest last group
+        of the clients involved (waiting and waited for): what a group of theirs costs."""
+        if self._give_up is None:
+            involved = [client for client, _ in self._held] + list(self._expected)
+            bound_s = max(self._last_group_s.get(client, 0.0) for client in involved)
+            self._give_up = asyncio.get_running_loop().call_later(bound_s, self._on_give_up)
+
+    def _on_give_up(self) -> None:
+        self._give_up = None
+        if not self._held or self._computing:
+            return  # nobody waits any more: those clients stay expected
+        self._counts["given_up"] += 1
+        for client in self._expected:
+            self._last_group_s.pop(client, None)
+        self._expected.clear()
+        self._release_if_ready()
