@@ -260,6 +260,19 @@ async def test_batch_results_equal_single_results(llm):
         torch.testing.assert_close(batch_sync[i], reference(context), atol=TOL, rtol=0)
 
 
+async def test_a_batch_computes_only_the_rows_not_cached(llm):
+    await llm.batch_next_token_logprobs([[1], [2, 3]])
+    mixed = [[2, 3], [7], [1], [7, 8]]
+    batch = await llm.batch_next_token_logprobs(mixed)
+    stats = llm.stats
+    assert stats.num_batches == 2 and stats.num_contexts_computed == 4
+    assert stats.num_output_cache_hits == 2
+    for row, context in zip(batch, mixed):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    await llm.batch_next_token_logprobs(mixed)  # every row cached: no batch at all
+    assert llm.stats.num_batches == 2 and llm.stats.num_output_cache_hits == 6
+
+
 def test_sync_batches_respect_batch_size():
     llm = make_llm(batch_size=3)
     llm.batch_next_token_logprobs_sync([[i] for i in range(7)])

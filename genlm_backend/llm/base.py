@@ -219,15 +219,34 @@ class AsyncLM:
 
         Every context is validated before any is computed.
         """
+        return torch.stack(await self.batch_rows(token_ids_list, lora_name))
+
+    async def batch_rows(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> list[torch.Tensor]:
+        """:meth:`batch_next_token_logprobs`'s rows before they are stacked: the cached and
+        computed rows themselves, to be read, never changed (the server copies them once, into
+        a client's shared memory or its answer)."""
         requests = self._core.requests(
             as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
         )
-        return torch.stack(await asyncio.gather(*map(self._submit, requests)))
+        # Rows in the output cache are read here: only the others go to the batcher.
+        rows = [self._core.cached(request) for request in requests]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            computed = await asyncio.gather(*(self._compute(requests[i]) for i in missing))
+            for i, row in zip(missing, computed):
+                rows[i] = row
+        return rows  # type: ignore[return-value]  # every None was filled
 
     async def _submit(self, request: Request) -> torch.Tensor:
         cached = self._core.cached(request)
         if cached is not None:
             return cached
+        return await self._compute(request)
+
+    async def _compute(self, request: Request) -> torch.Tensor:
+        """``request``'s row from the batcher (not looked up in the output cache)."""
         try:
             row = await self.batchers.current().submit(request)
         except Exception as exc:

@@ -5,7 +5,7 @@ sees every client's pending contexts at once and batches them together. The
 data path of one ``/v1/logprobs`` request::
 
     token check -> body (size-limited) -> decode + limits -> step gather
-        -> lm.batch_next_token_logprobs (raced against the client's disconnect
+        -> lm.batch_rows (raced against the client's disconnect
         and the server's shutdown) -> rows into the client's slab, else float32 bytes
 
 The step gather (:mod:`~genlm_backend.serve.gather`) holds a request until
@@ -180,12 +180,12 @@ class ServeApp:
             rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
         finally:
             self._num_logprobs_in_flight -= 1
-        self._counts["rows"] += rows.shape[0]
+        self._counts["rows"] += len(rows)
         if self.sessions.write(request.session, rows):
-            return protocol.pack({"num_rows": rows.shape[0]}), protocol.SLAB_CONTENT_TYPE
+            return protocol.pack({"num_rows": len(rows)}), protocol.SLAB_CONTENT_TYPE
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
 
-    async def _gathered(self, request: LogprobsRequest) -> torch.Tensor:
+    async def _gathered(self, request: LogprobsRequest) -> list[torch.Tensor]:
         """:meth:`_compute`, once the step gather lets the request through."""
         client: object = request.client if request.client is not None else object()
         await self.gather.admit(client)
@@ -198,28 +198,31 @@ class ServeApp:
         finally:
             self.gather.answered(client, is_expected_back=is_expected_back)
 
-    async def _compute(self, request: LogprobsRequest) -> torch.Tensor:
-        """The request's rows, ``[len(contexts), V]``; contexts of each adapter go in one call."""
+    async def _compute(self, request: LogprobsRequest) -> list[torch.Tensor]:
+        """The request's rows, ``[V]`` each, in its order; contexts of each adapter go in one call.
+
+        The rows are the model's own (cached or just computed): they are copied
+        once, into the client's slab or the answer, never stacked first.
+        """
         lm = self.lm
         if request.uncached:
             row = await asyncio.to_thread(
                 lm.next_token_logprobs_uncached, request.contexts[0], request.lora_names[0]
             )
-            return row[None]
+            return [row]
         groups: dict[str | None, list[int]] = {}
         for position, name in enumerate(request.lora_names):
             groups.setdefault(name, []).append(position)
         results = await asyncio.gather(
             *(
-                lm.batch_next_token_logprobs([request.contexts[i] for i in positions], name)
+                lm.batch_rows([request.contexts[i] for i in positions], name)
                 for name, positions in groups.items()
             )
         )
-        if len(results) == 1:
-            return results[0]  # a fresh tensor already (on the model's device)
-        rows = torch.empty(len(request.contexts), lm.vocab_size, dtype=torch.float32)
+        rows: list[torch.Tensor] = [None] * len(request.contexts)  # type: ignore[list-item]
         for positions, group_rows in zip(groups.values(), results):
-            rows[positions] = group_rows.to("cpu")
+            for position, row in zip(positions, group_rows):
+                rows[position] = row
         return rows
 
     async def _hold_session(self, scope, receive, send) -> None:

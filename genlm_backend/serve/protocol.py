@@ -237,10 +237,11 @@ def decode_slab_offer(body: bytes, limits: ServeLimits) -> SlabOffer:
 # ---------------------------------------------------------------- rows
 
 
-def encode_rows(rows: torch.Tensor) -> bytes:
-    """``float32`` ``[B, V]`` rows (any device) -> their little-endian bytes, C order."""
-    array = rows.detach().to("cpu", torch.float32).contiguous().numpy()
-    return array.astype("<f4", copy=False).tobytes()
+def encode_rows(rows: Sequence[torch.Tensor]) -> bytes:
+    """``float32`` rows of ``V`` each (any device; a ``[B, V]`` tensor too) -> their
+    little-endian bytes, C order."""
+    arrays = [row.detach().to("cpu", torch.float32).numpy() for row in rows]
+    return np.stack(arrays).astype("<f4", copy=False).tobytes()
 
 
 def decode_rows(content: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ the slab (:meth:`SlabSessions.write`) instead of the body.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
 
@@ -58,18 +59,18 @@ class SlabSessions:
         """Whether ``client`` has a session open (it opens its next before closing its last)."""
         return client in self._clients.values()
 
-    def write(self, session: str | None, rows: torch.Tensor) -> bool:
-        """Put ``rows`` (``[n, V]`` float32) into ``session``'s slab.
+    def write(self, session: str | None, rows: Sequence[torch.Tensor]) -> bool:
+        """Put ``rows`` (float32 ``[V]`` each) into ``session``'s slab.
 
         Returns:
             ``False`` (nothing written) when there is no such session (it closed,
             or the server restarted) or the rows do not fit: they go in the body then.
         """
         slab = None if session is None else self._slabs.get(session)
-        if slab is None or rows.shape[0] > slab.capacity_rows:
+        if slab is None or len(rows) > slab.capacity_rows:
             return False
         slab.write(rows)
-        self.num_rows_written += rows.shape[0]
+        self.num_rows_written += len(rows)
         return True
 
     def close_all(self) -> None:

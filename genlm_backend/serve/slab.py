@@ -28,6 +28,7 @@ import contextlib
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
@@ -111,15 +112,16 @@ class Slab:
             raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
         return slab
 
-    def write(self, rows: torch.Tensor) -> None:
-        """Copy ``rows`` (float32 ``[n, vocab_size]``, any device, ``n <= capacity_rows``) into the slab."""
-        target = self._view(rows.shape[0])  # [n, V]
-        if rows.device.type == "cpu":
+    def write(self, rows: Sequence[torch.Tensor]) -> None:
+        """Copy ``rows`` (float32 ``[vocab_size]`` each, any device, at most ``capacity_rows``) into the slab."""
+        target = self._view(len(rows))  # [n, V]
+        if all(row.device.type == "cpu" for row in rows):
             # numpy's copy runs in this thread: torch's would start its OpenMP team for
-            # a memcpy, which waits for cores the model's threads hold.
-            np.copyto(target, rows.detach().numpy())
+            # a memcpy, which waits for cores the model's threads hold (1.8 ms against
+            # 0.5 ms for 64 rows of 49,152 on a 2-vCPU machine).
+            np.stack([row.detach().numpy() for row in rows], out=target)
         else:
-            torch.from_numpy(target).copy_(rows)
+            torch.from_numpy(target).copy_(torch.stack(list(rows)))
         del target
 
     def read(self, num_rows: int) -> torch.Tensor:
