@@ -8,6 +8,9 @@ round runs the floor (``bench_long_prompt``'s: the N-copies steps behind 64
 tokens plus the prompt's attention once) and then ours on fresh particles,
 in one process. On a GPU, the time ours waits for the device at the end of
 a round is printed too: near zero means the steps are bound by host work.
+The event loop's CPU time per request (``time.thread_time`` of the loop's
+thread around each step's calls: validation, hashing, the output cache, the
+batcher, the row's copy) is the host work a request costs the loop.
 
 Usage::
 
@@ -96,28 +99,30 @@ def main(argv=None) -> None:
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
     floor_prompt, floor_own = token_draws(vocab_size, particles, steps, 64)
 
-    async def ours(seed: int) -> tuple[float, float]:
+    async def ours(seed: int) -> tuple[float, float, float]:
         _, own = token_draws(vocab_size, particles, steps, prompt_tokens, seed=seed)
         synchronize(args.device)
         totals.clear()
+        loop_s = 0.0  # CPU seconds of this thread, the event loop's, inside the steps' calls
         start = time.perf_counter()
         for step in range(steps):
-            await asyncio.gather(
-                *(llm.next_token_logprobs(prompt + own[i][: step + 1]) for i in range(particles))
-            )
+            contexts = [prompt + own[i][: step + 1] for i in range(particles)]
+            loop_start = time.thread_time()
+            await asyncio.gather(*map(llm.next_token_logprobs, contexts))
+            loop_s += time.thread_time() - loop_start
         launched = time.perf_counter()
         synchronize(args.device)
         end = time.perf_counter()
-        return end - start, end - launched
+        return end - start, end - launched, loop_s / (steps * particles)
 
     async def rounds() -> None:
         await llm.next_token_logprobs(prompt)
-        await ours(1000)  # warm-up
+        await ours(args.rounds + 1)  # warm-up (seeds 1..rounds are the rounds)
         ncopies_steps(model, args, particles, 2, floor_prompt, floor_own)
         for index in range(args.rounds):
             _, floor_s, _ = ncopies_steps(model, args, particles, steps, floor_prompt, floor_own)
             floor_s += prompt_attention_seconds(model, args, particles, steps, prompt_tokens)
-            ours_s, waited_s = await ours(index + 1)
+            ours_s, waited_s, loop_per_request_s = await ours(index + 1)
             print(
                 f"{args.workload} round {index}: floor {floor_s / steps * 1e3:.1f} ms/step, "
                 f"ours {ours_s / steps * 1e3:.1f} ms/step ({ours_s / floor_s:.2f}x), "
@@ -126,6 +131,10 @@ def main(argv=None) -> None:
             )
             phases = {k: round(v / steps * 1e3, 1) for k, v in totals.most_common()}
             print(f"    ours's phases, host ms/step: {phases}", flush=True)
+            print(
+                f"    event loop CPU per request: {loop_per_request_s * 1e6:.1f} us",
+                flush=True,
+            )
 
     asyncio.run(rounds())
 

@@ -26,7 +26,7 @@ def make_block(contexts: list[list[int]], starts: list[int], num_slots: int) -> 
     return KVBlock(stacked)
 
 
-def cache_contexts(tree: KVPrefixTree, contexts: list[list[int]], namespace=None) -> KVBlock:
+def cache_contexts(tree: KVPrefixTree, contexts: list, namespace=None) -> KVBlock:
     num_slots = max(len(c) for c in contexts) + 2
     starts = [1] * len(contexts)
     block = make_block(contexts, starts, num_slots)
@@ -56,6 +56,17 @@ def test_extension_reuses_the_whole_cached_context():
     tree = KVPrefixTree(1 << 20)
     cache_contexts(tree, [[1, 2, 3]])
     assert reused_tokens(tree, [1, 2, 3, 4, 5]) == [1, 2, 3]
+
+
+def test_a_parent_given_by_identity_finds_what_the_walk_finds():
+    tree = KVPrefixTree(1 << 20)
+    cached = tuple(range(1, 40))
+    cache_contexts(tree, [cached], namespace="ns")  # remembered as this very tuple
+    context = (*cached, 7)
+    assert tree.cached_length(context, "ns", parent=cached) == tree.cached_length(context, "ns")
+    assert tree.cached_length(context, "ns", parent=cached) == len(cached)
+    assert tree.cached_length(context, "other", parent=cached) == 0  # another namespace
+    assert tree.cached_length(context, "ns", parent=cached[:-1]) == len(cached)  # not its parent
 
 
 def test_sibling_branch_reuses_the_shared_part():

@@ -138,14 +138,27 @@ def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path)
         runner.run([Request(adapter, (1, 2))])
 
 
-def test_a_request_hashes_as_its_fields_and_survives_pickling():
+def test_a_request_is_equal_and_hashed_by_adapter_and_context_and_survives_pickling():
     import pickle
 
     from genlm_backend.llm.runner import Adapter, Request
 
     request = Request(Adapter("a", 1, "/path"), (1, 2, 3))
-    assert hash(request) == hash((request.adapter, request.context))
-    assert request == Request(Adapter("a", 1, "/path"), (1, 2, 3))
-    copy = pickle.loads(pickle.dumps(request))
-    assert copy == request and hash(copy) == hash(request)
+    same = Request(Adapter("a", 1, "/path"), (1, 2, 3), parent=(1, 2))  # parent: not identity
+    assert request == same and hash(request) == hash(same)
+    assert request != Request(Adapter("a", 2, "/path"), (1, 2, 3))
+    assert request != Request(Adapter("a", 1, "/path"), (0, 2, 3))
+    copy = pickle.loads(pickle.dumps(same))
+    assert copy == request and hash(copy) == hash(request) and copy.parent is None
     assert {request: 1}[copy] == 1
+
+
+def test_contexts_alike_in_length_and_last_tokens_collide_in_hash_but_stay_distinct_keys():
+    from genlm_backend.cache.keys import HASHED_TAIL
+    from genlm_backend.llm.runner import Request
+
+    tail = tuple(range(HASHED_TAIL))
+    a, b = Request(None, (1, *tail)), Request(None, (2, *tail))
+    assert hash(a) == hash(b) and a != b
+    table = {a: "a", b: "b"}
+    assert table[Request(None, (1, *tail))] == "a" and table[Request(None, (2, *tail))] == "b"

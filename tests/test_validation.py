@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 
@@ -11,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.validation import _general_ids, _plain_ids_in_range, validate_contexts
+from genlm_backend.llm.validation import (
+    RecentContexts,
+    _general_ids,
+    _plain_ids_in_range,
+    validate_contexts,
+    validate_token_ids,
+)
 
 VOCAB_SIZE = 50
 
@@ -101,3 +108,72 @@ def test_plain_ids_of_a_long_context_take_the_one_pass_check():
     assert _plain_ids_in_range(context, VOCAB_SIZE) == tuple(context)
     assert _plain_ids_in_range(context + [True], VOCAB_SIZE) is None
     assert _plain_ids_in_range(context + [VOCAB_SIZE], VOCAB_SIZE) is None
+
+
+@given(st.lists(_ELEMENTS, min_size=1, max_size=6), _ELEMENTS, st.sampled_from([list, tuple]))
+def test_a_context_extending_a_recent_one_is_checked_as_a_new_one(prefix, last, container):
+    """Whatever the recent contexts hold, the answer (or error) is the full check's."""
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    with contextlib.suppress(TypeError, ValueError):
+        recent.validate(container(prefix))
+    token_ids = container([*prefix, last])
+    try:
+        expected = validate_token_ids(token_ids, VOCAB_SIZE)
+    except (TypeError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            recent.validate(token_ids)
+        return
+    context, _ = recent.validate(token_ids)
+    assert context == expected and all(type(t) is int for t in context)
+
+
+def test_a_context_one_token_past_a_recent_one_names_it_as_its_parent():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    first, none = recent.validate([i % VOCAB_SIZE for i in range(300)])
+    assert none is None
+    second, parent = recent.validate([i % VOCAB_SIZE for i in range(300)] + [7])
+    assert parent is first and second == (*first, 7)
+    _, parent = recent.validate(list(second) + [8])
+    assert parent is second
+    _, parent = recent.validate(list(first) + [9])  # first is still recent: a sibling
+    assert parent is first
+    _, parent = recent.validate([5, *first[1:], 7])  # same length and last tokens, another start
+    assert parent is None
+
+
+def test_a_recent_parent_never_lets_a_bad_context_through():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=4)
+    recent.validate([1, 2, 3])
+    for bad, error in (
+        ([1, 2, 3, VOCAB_SIZE], ValueError),
+        ([1, 2, 3, -1], ValueError),
+        ([1, 2, 3, 4.0], TypeError),
+        ([1, 2, 3, True], TypeError),
+        ([1, 2, 3, 4, 5], ValueError),  # longer than the model's context
+    ):
+        with pytest.raises(error):
+            recent.validate(bad)
+    mutated = [1, 2, 3]
+    recent.validate(mutated)
+    mutated[0] = VOCAB_SIZE  # the caller's list changes after its check: ours did not
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        recent.validate([*mutated, 4])
+
+
+def test_a_prefix_equal_in_value_only_is_taken_as_the_recent_plain_ints():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    recent.validate([1, 2, 3])
+    context, parent = recent.validate([np.int64(1), 2, 3, 4])
+    assert context == (1, 2, 3, 4) and all(type(t) is int for t in context)
+    assert parent == (1, 2, 3)
+
+
+def test_recent_contexts_hold_at_most_their_token_budget():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None, max_tokens=100)
+    for start in range(40):
+        recent.validate([start % VOCAB_SIZE] * 10)
+    assert recent._num_tokens <= 100 and len(recent._by_hash) == 10
+    _, parent = recent.validate([39 % VOCAB_SIZE] * 10 + [1])  # the latest are kept
+    assert parent is not None
+    _, parent = recent.validate([0] * 10 + [1])  # the oldest were forgotten
+    assert parent is None

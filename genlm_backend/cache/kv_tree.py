@@ -87,14 +87,20 @@ class KVPrefixTree:
         self._touch(best)
         return best, depth
 
-    def cached_length(self, context: Sequence[int], namespace: Hashable = None) -> int:
+    def cached_length(
+        self,
+        context: Sequence[int],
+        namespace: Hashable = None,
+        parent: tuple[int, ...] | None = None,
+    ) -> int:
         """How many leading tokens of ``context`` have cached keys/values; marks nothing used.
 
         Safe to call from another thread while the tree changes (dictionary
         lookups only): the answer may then be stale, which suits its use, an
-        estimate of a request's cost before it is batched.
+        estimate of a request's cost before it is batched. ``parent``: see
+        :meth:`TokenTrie.deepest <genlm_backend.cache.token_trie.TokenTrie.deepest>`.
         """
-        return self._trie.deepest(context, namespace)[1]
+        return self._trie.deepest(context, namespace, parent)[1]
 
     @staticmethod
     def _any_entry_below(node: TrieNode) -> KVEntry:

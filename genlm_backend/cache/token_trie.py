@@ -8,10 +8,12 @@ starts its walk there. A remembered context that others continue (a shared
 prompt) keeps its place among them, so a new particle's first step behind
 it never walks the prompt.
 
-Finding that node hashes the context's first ``n - 1`` tokens, which costs
-their length. One request's context is looked up three times (its cost
-estimate, its batch's plan, its insertion), always as the same tuple, so
-the node found is also kept by the tuple's identity for the later lookups.
+Finding that node copies the context's first ``n - 1`` tokens and compares
+them with the remembered context (hashed by its length and last tokens,
+:mod:`~genlm_backend.cache.keys`), which costs their length at C speed. One
+request's context is looked up three times (its cost estimate, its batch's
+plan, its insertion), always as the same tuple, so the node found is also
+kept by the tuple's identity for the later lookups.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from genlm_backend.cache.keys import ContextKey
 from genlm_backend.cache.kv_block import KVEntry
 
 NUM_RECENT_CONTEXTS = 1024
@@ -59,16 +62,22 @@ class TokenTrie:
 
     def __init__(self) -> None:
         self._roots: dict[Hashable, TrieNode] = {}
-        self._recent: OrderedDict[tuple[Hashable, tuple], TrieNode] = OrderedDict()
+        self._recent: OrderedDict[ContextKey, TrieNode] = OrderedDict()
         # id(context) -> (context, namespace, node of context[:-1])
         self._hints: OrderedDict[int, tuple[Sequence[int], Hashable, TrieNode]] = OrderedDict()
 
-    def deepest(self, context: Sequence[int], namespace: Hashable) -> tuple[TrieNode | None, int]:
-        """The node of the longest prefix of ``context`` in the trie, and its depth."""
+    def deepest(
+        self, context: Sequence[int], namespace: Hashable, parent: tuple[int, ...] | None = None
+    ) -> tuple[TrieNode | None, int]:
+        """The node of the longest prefix of ``context`` in the trie, and its depth.
+
+        ``parent``: ``context[:-1]`` as a tuple the trie may have remembered
+        (then found by identity, without copying or comparing the context).
+        """
         node, depth = self._roots.get(namespace), 0
         if node is None:
             return None, 0
-        hint = self._parent_hint(context, namespace)
+        hint = self._parent_hint(context, namespace, parent)
         if hint is not None:
             node, depth = hint, len(context) - 1
         for token in context[depth:]:
@@ -89,14 +98,18 @@ class TokenTrie:
             return hint, len(context) - 1
         return root, 0
 
-    def _parent_hint(self, context: Sequence[int], namespace: Hashable) -> TrieNode | None:
+    def _parent_hint(
+        self, context: Sequence[int], namespace: Hashable, parent: tuple[int, ...] | None = None
+    ) -> TrieNode | None:
         """The attached node of ``context[:-1]`` if that was a remembered context, else ``None``."""
         if len(context) < 2:
             return None
         kept = self._hints.get(id(context))
         if kept is not None and kept[0] is context and kept[1] == namespace and kept[2].is_attached:
             return kept[2]
-        node = self._recent.get((namespace, tuple(context[:-1])))
+        if parent is None or len(parent) != len(context) - 1:
+            parent = tuple(context[:-1])
+        node = self._recent.get(ContextKey(namespace, parent))
         if node is None or not node.is_attached:
             return None
         if type(context) is tuple:  # immutable: its identity names its tokens
@@ -107,7 +120,7 @@ class TokenTrie:
 
     def remember(self, context: Sequence[int], namespace: Hashable, node: TrieNode) -> None:
         """``node`` is ``context``'s: a later walk for an extension of it starts there."""
-        key = (namespace, tuple(context))
+        key = ContextKey(namespace, tuple(context))
         self._recent[key] = node
         self._recent.move_to_end(key)
         if len(self._recent) > NUM_RECENT_CONTEXTS:

@@ -210,7 +210,7 @@ class AsyncLM:
             Exception: an error of the model on this request's batch.
         """
         (request,) = self._core.requests([token_ids], lora_name, argument=None)
-        return (await self._submit(request)).clone()
+        return own_copy(await self._submit(request))
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -526,3 +526,16 @@ class AsyncLM:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def own_copy(row: torch.Tensor) -> torch.Tensor:
+    """A copy of ``row`` for the caller to keep (and change) without touching the cache's.
+
+    On the CPU the copy runs in this thread (numpy's): torch's starts its
+    OpenMP team for a row of a large vocabulary, and on a machine whose cores
+    are busy the event loop then waits for a descheduled thread (8 ms instead
+    of 3 us for 49,152 floats on a loaded 2-vCPU machine).
+    """
+    if row.device.type == "cpu" and not row.requires_grad:
+        return torch.from_numpy(row.numpy().copy())
+    return row.clone()

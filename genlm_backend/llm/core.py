@@ -21,7 +21,7 @@ from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
 from genlm_backend.llm.runner import Adapter, Request, Runner, ScoreRequest
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.llm.validation import TokenIds, validate_contexts, validate_continuation
+from genlm_backend.llm.validation import RecentContexts, TokenIds, validate_continuation
 
 
 class AdapterRegistry:
@@ -121,6 +121,8 @@ class LMCore:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.output_cache = OutputCache(output_cache_bytes)
+        self.contexts = RecentContexts(vocab_size, max_context_length)
+        """Contexts validated lately (a context extending one by a token is checked at that token)."""
         self.adapters = AdapterRegistry()
         self.batching = batching
         self.lock = threading.Lock()
@@ -146,12 +148,18 @@ class LMCore:
         """
         self.check_open()
         adapter = self.adapters.resolve(lora_name)
-        contexts = validate_contexts(
-            token_ids_list, self.vocab_size, self.max_context_length, argument
-        )
-        self._num_requests += len(contexts)
-        self._num_tokens_requested += sum(map(len, contexts))
-        return [Request(adapter, context) for context in contexts]
+        requests = []
+        for index, token_ids in enumerate(token_ids_list):
+            try:
+                context, parent = self.contexts.validate(token_ids)
+            except (TypeError, ValueError) as exc:
+                if argument is None:
+                    raise
+                raise type(exc)(f"{argument}[{index}]: {exc}") from None
+            requests.append(Request(adapter, context, parent))
+        self._num_requests += len(requests)
+        self._num_tokens_requested += sum(len(request.context) for request in requests)
+        return requests
 
     def score_requests(
         self,
@@ -313,6 +321,7 @@ class LMCore:
         self.is_closed = True
         with self.lock:
             self.output_cache.clear()
+            self.contexts.clear()
             runner = getattr(self, "runner", None)  # None if the backend failed before building it
             if runner is not None:
                 runner.close()

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from genlm_backend.cache.keys import context_hash
+
 
 @dataclass(frozen=True)
 class Adapter:
@@ -36,16 +38,23 @@ class Adapter:
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Hashed once: a request is a key of the batcher, the output cache and
-    the KV tree's lookups, and hashing a long context costs its length.
+    Hashed once, from the context's length and last tokens
+    (:func:`~genlm_backend.cache.keys.context_hash`): a request is a key of
+    the batcher and the output cache at every step, and Python's hash of a
+    long context reads all of it.
+
+    ``parent``, when known, is the context one token shorter as an earlier
+    request held it (the same tuple): the KV tree finds its node by it
+    without reading the context. Not part of the request's identity.
     """
 
     adapter: Adapter | None
     context: tuple[int, ...]
+    parent: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.adapter, self.context)))
+        object.__setattr__(self, "_hash", hash((self.adapter, context_hash(self.context))))
 
     def __hash__(self) -> int:
         return self._hash
@@ -69,7 +78,11 @@ class ScoreRequest:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.adapter, self.context, self.continuation)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash((self.adapter, context_hash(self.context), context_hash(self.continuation))),
+        )
 
     def __hash__(self) -> int:
         return self._hash

@@ -102,7 +102,7 @@ class HFRunner:
         """
         if not self.level_policy.enabled:
             return len(request.context)
-        cached = self.kv_tree.cached_length(request.context, request.adapter)
+        cached = self.kv_tree.cached_length(request.context, request.adapter, request.parent)
         return max(1, len(request.context) - cached)
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:

@@ -114,7 +114,7 @@ class MlxRunner:
 
     def request_tokens(self, request: Request) -> int:
         """A request's cost against the batch token budget: the part of its context not cached yet (an estimate)."""
-        cached = self.kv_tree.cached_length(request.context, request.adapter)
+        cached = self.kv_tree.cached_length(request.context, request.adapter, request.parent)
         return max(1, len(request.context) - cached)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
