@@ -69,7 +69,6 @@ def main(argv=None) -> None:
 
     import torch
 
-    from genlm_backend.llm import core
     from genlm_backend.llm.hf import AsyncTransformer
     from genlm_backend.llm.hf import runner as hf_runner
 
@@ -93,7 +92,7 @@ def main(argv=None) -> None:
     wrap(runner.kv_tree, "commit", totals)
     wrap(runner.model, "forward", totals, "model forward")
     wrap(hf_runner.layout, "inputs", totals)
-    wrap(core, "validate_contexts", totals)
+    wrap(llm._core.contexts, "validate", totals, "validation")
     wrap(llm.output_cache, "put", totals, "output cache put")
 
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)

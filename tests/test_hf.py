@@ -356,3 +356,29 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_repeated_heads():
         expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
         result, _ = _sdpa_grouped_kv(module, query, key, value, mask, scaling=0.25)
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("compute_in_loop", [None, False])
+async def test_batches_run_in_the_loop_thread_on_cpu_unless_told_otherwise(
+    tiny_llama, compute_in_loop
+):
+    import threading
+
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, compute_in_loop=compute_in_loop)
+    threads = []
+    run = llm.runner.run
+    llm.runner.run = lambda requests: threads.append(threading.get_ident()) or run(requests)  # type: ignore[method-assign]
+    contexts = [[1, 2, 3], [1, 2, 4], [5]]
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    in_loop = threads == [threading.get_ident()]
+    assert in_loop == (compute_in_loop is None) and len(threads) == 1
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # errors reach their caller
+        await llm.next_token_logprobs([10**9])
+    llm.runner.run = lambda requests: (_ for _ in ()).throw(RuntimeError("model failed"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="model failed"):
+        await llm.next_token_logprobs([7, 8])
+    assert (await llm.next_token_logprobs([1, 2, 3])).shape == rows[0].shape  # still serving
+    await llm.aclose()

@@ -75,6 +75,8 @@ class ServeApp:
         log: Log = print,
     ):
         self.lm = lm
+        # The loop must keep reading requests and disconnects while a batch computes.
+        lm.batchers.compute_in_loop = False
         self.limits = limits
         self._token = None if token is None else f"Bearer {token}".encode()
         self._log = log

@@ -35,6 +35,11 @@ class AsyncTransformer(AsyncLM):
             :class:`~genlm_backend.batching.BatchingConfig`).
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
+        compute_in_loop: Run batches in the event loop's thread, blocking it while
+            they compute (``None``: on a CPU model, where a second thread calling
+            torch makes its decode steps about 20% slower; see
+            :class:`~genlm_backend.batching.LoopBatchers`); else in a worker thread.
+            Settable later as ``llm.batchers.compute_in_loop``.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -52,6 +57,7 @@ class AsyncTransformer(AsyncLM):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        compute_in_loop: bool | None = None,
         **kwargs,
     ):
         window = attention_window(hf_model.config)
@@ -67,6 +73,9 @@ class AsyncTransformer(AsyncLM):
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
         self.runner = HFRunner(hf_model.eval(), self.kv_cache, self.vocab_size)
+        if compute_in_loop is None:
+            compute_in_loop = self.runner.device.type == "cpu"
+        self.batchers.compute_in_loop = compute_in_loop
 
     @property
     def model(self):
