@@ -141,10 +141,9 @@ class _InLoopExecutor(Executor):
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # delivered to the awaiting batcher, as a worker's would be
+        except Exception as exc:  # noqa: BLE001  # for the awaiting batcher, as from a worker
             future.set_exception(exc)
         return future
 
 
 _IN_LOOP = _InLoopExecutor()
-
