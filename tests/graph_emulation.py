@@ -110,6 +110,20 @@ class EmulatedGraph:
                     into.copy_(value)
 
 
+@contextlib.contextmanager
+def _host_reads_without_dispatch_raise() -> Iterator[None]:
+    """``tolist`` and ``numpy`` read CPU memory without an operation to see: make them raise too."""
+
+    def host_read(self, *args, **kwargs):
+        raise HostSyncDuringCapture("a tensor read on the host inside a captured step")
+
+    with (
+        mock.patch.object(torch.Tensor, "tolist", host_read),
+        mock.patch.object(torch.Tensor, "numpy", host_read),
+    ):
+        yield
+
+
 class EmulatedGraphs:
     """Captures steps as :class:`EmulatedGraph`\\ s; counts captures and replays."""
 
@@ -120,7 +134,7 @@ class EmulatedGraphs:
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """``(replay, output)``: the step's recorded operations, and the tensor its replays write into."""
         recording = _Recording()
-        with recording:
+        with recording, _host_reads_without_dispatch_raise():
             output = step()
         graph = EmulatedGraph(recording.operations)
         self.num_captures += 1

@@ -290,7 +290,7 @@ class StaticCaches:
 
 @functools.cache
 def _scattered_layer_class():
-    class ScatteredLayer(_runner_layer_class()):
+    class ScatteredLayer(_runner_layer_class()):  # type: ignore[misc]
         """A ``StaticLayer`` over the runner's tensors writing each row's one new token at its slot, given as a device tensor."""
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):

@@ -32,7 +32,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -214,7 +214,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        model_of: Callable[[], torch.nn.Module],
+        model_of: Callable[[], Any],
         caches: StaticCaches,
         kv_tree: KVPrefixTree,
         vocab_size: int,
