@@ -127,6 +127,8 @@ class CapturedStep:
         self.replay: Callable[[], None] | None = None
         self.output: torch.Tensor | None = None
         self.current: KVBlock | None = None
+        self._staging: torch.Tensor | None = None  # pinned, on CUDA
+        self._copied: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:
@@ -135,12 +137,30 @@ class CapturedStep:
     def reads_evicted_levels(self) -> bool:
         return any(level.block.num_live_entries == 0 for level in self.levels)
 
-    def renew(self, force_move: bool) -> KVBlock:
-        """A new block over the storage; the current one moves to a copy if the tree holds it (or ``force_move``)."""
-        if self.current is not None and (force_move or self.current.num_live_entries > 0):
+    def renew(self, move: bool) -> KVBlock:
+        """A new block over the storage; with ``move``, the current one keeps its contents in a copy."""
+        if move and self.current is not None:
             self.current.move_to(self.storage.clone())
         self.current = KVBlock(self.storage)
         return self.current
+
+    def load_inputs(self, host: torch.Tensor) -> None:
+        """Fill :attr:`inputs` from ``host`` (the same shape): the step's one host-to-device copy.
+
+        On CUDA the copy goes through a pinned buffer without waiting for the
+        device, once the previous step's copy out of that buffer is done.
+        """
+        if self.inputs.device.type != "cuda":
+            self.inputs.copy_(host)
+            return
+        if self._staging is None or self._copied is None:
+            self._staging = torch.empty_like(host).pin_memory()
+            self._copied = torch.cuda.Event()
+        else:
+            self._copied.synchronize()
+        self._staging.copy_(host)
+        self.inputs.copy_(self._staging, non_blocking=True)
+        self._copied.record()
 
 
 @dataclass(frozen=True)
@@ -324,16 +344,13 @@ class StepGraphs:
             )
             graph = CapturedStep(step.key, storage, step.levels)
         if step.renews:
+            # Held by the tree now: any pass of the batch may read it, even once evicted below.
+            move = graph.current is not None and graph.current.num_live_entries > 0
             self._kv_tree.reserve(graph.nbytes, pinned=step.pinned)
-            reads_current = any(
-                segment.block is graph.current for row in step.rows for segment in row.copied or ()
-            )
-            block = graph.renew(force_move=reads_current)
+            block = graph.renew(move)
             self._blocks.add(block)
             copy_segments(block, _copies(step.rows))
-        graph.inputs.copy_(
-            step.host_inputs(self._max_positions)
-        )  # the step's one host-to-device copy
+        graph.load_inputs(step.host_inputs(self._max_positions))
         if graph.replay is None and not self._capture(graph):
             return None
         assert graph.replay is not None and graph.output is not None and graph.current is not None
