@@ -287,6 +287,10 @@ def test_graphs_stay_within_their_count_and_storage_bounds(graph_device):
     runner.graphs.max_storage_bytes = 0
     step(runner, extend(rng, [prompt] * 4))  # storage over the bound: eager
     assert runner.graphs.stats.num_captures == 6
+    runner.graphs.max_graphs = 0  # captured steps off
+    replays = runner.graphs.stats.num_replays
+    step(runner, extend(rng, [prompt] * 2))
+    assert runner.graphs.stats.num_replays == replays
 
 
 @WITHOUT_LEVELS

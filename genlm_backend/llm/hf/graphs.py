@@ -227,7 +227,7 @@ class StepGraphs:
         kv_tree: Where the graphs' blocks are reserved and kept.
         vocab_size: Columns of the output.
         max_positions: The model's longest sequence.
-        max_graphs: Most graphs kept.
+        max_graphs: Most graphs kept (0: every step eager).
         max_storage_bytes: Most bytes of own-part storage kept by the graphs
             (beyond the tree's budget while the tree no longer holds them).
     """
@@ -279,6 +279,7 @@ class StepGraphs:
         if (
             pass_plan.num_new != 1
             or self.unsupported is not None
+            or self.max_graphs < 1
             or any(len(row.reads) != 1 for row in rows)
             or graph_capture(model.device) is None
         ):
