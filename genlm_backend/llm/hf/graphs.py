@@ -274,62 +274,62 @@ class StepGraphs:
 
     def plan(self, pass_plan: PassPlan, namespace: Hashable) -> GraphStep | None:
         """The pass as a captured step, or ``None``: it runs eagerly."""
-        rows = pass_plan.rows
-        model = self._model_of()
-        if (
-            pass_plan.num_new != 1
-            or self.unsupported is not None
-            or self.max_graphs < 1
-            or any(len(row.reads) != 1 for row in rows)
-            or graph_capture(model.device) is None
-        ):
-            return None
-        num_rows = next((bucket for bucket in ROW_BUCKETS if bucket >= len(rows)), None)
+        num_rows = self._bucket(pass_plan)
         if num_rows is None:
             return None
         self._drop_evicted()
-        splits = [self._split(pass_plan, i) for i in range(len(rows))]
+        splits = [self._split(pass_plan, i) for i in range(len(pass_plan.rows))]
+        owns = [own for _, own in splits]
         levels = {_level_id(piece): piece for row_levels, _ in splits for piece in row_levels}
         level_ids = tuple(sorted(levels))
-        need = 1 + max(sum(segment.length for segment in own) for _, own in splits)
         family = [
             graph
             for key, graph in self._graphs.items()
             if (key.namespace, key.num_rows, key.levels) == (namespace, num_rows, level_ids)
         ]
-        graph, renews = self._choose(family, [own for _, own in splits], num_rows, need)
-        if graph is None:
-            num_slots = min(_num_slots(need), self._max_positions)
-            key = GraphKey(namespace, num_rows, num_slots, level_ids)
-            if self._storage_nbytes(model, key) > self.max_storage_bytes:
-                return None
-        else:
-            key = graph.key
+        need = 1 + max(sum(segment.length for segment in own) for own in owns)
+        graph, renews = self._choose(family, owns, num_rows, need)
+        key = (
+            graph.key if graph is not None else self._new_key(namespace, num_rows, need, level_ids)
+        )
+        if key is None:
+            return None
         index = {level_id: k for k, level_id in enumerate(level_ids)}
-        step_rows = []
-        for i, (row_levels, own) in enumerate(splits):
-            in_place = graph is not None and _in_place(graph, i, own, exact_end=not renews)
-            step_rows.append(
-                StepRow(
-                    rows[i].context,
-                    sum(n for _, n in row_levels),
-                    row_levels[-1][0] if row_levels else None,
-                    tuple(index[_level_id(piece)] for piece in row_levels),
-                    own[0].start if in_place else 0,
-                    None if in_place else own,
-                )
-            )
+        rows = tuple(
+            _step_row(row.context, row_levels, own, index, graph, i, renews)
+            for i, (row, (row_levels, own)) in enumerate(zip(pass_plan.rows, splits))
+        )
         current = graph.current if graph is not None else None
         pads = range(len(rows), num_rows)
         return GraphStep(
             key,
             graph,
             tuple(levels[level_id] for level_id in level_ids),
-            tuple(step_rows),
+            rows,
             tuple(0 if renews or current is None else current.row_ends[r] for r in pads),
             renews,
-            tuple(entry for row in rows for entry, _ in row.levels + row.own),
+            tuple(entry for row in pass_plan.rows for entry, _ in row.levels + row.own),
         )
+
+    def _bucket(self, pass_plan: PassPlan) -> int | None:
+        """The rows a graph for the pass has, ``None`` if the pass runs eagerly."""
+        if (
+            pass_plan.num_new != 1
+            or self.unsupported is not None
+            or self.max_graphs < 1
+            or any(len(row.reads) != 1 for row in pass_plan.rows)
+            or graph_capture(self._model_of().device) is None
+        ):
+            return None
+        return next((bucket for bucket in ROW_BUCKETS if bucket >= len(pass_plan.rows)), None)
+
+    def _new_key(self, namespace, num_rows: int, need: int, level_ids) -> GraphKey | None:
+        """The key of a new graph for rows needing ``need`` slots, ``None`` if its storage is over the bound."""
+        num_slots = min(_num_slots(need), self._max_positions)
+        key = GraphKey(namespace, num_rows, num_slots, level_ids)
+        if self._storage_nbytes(self._model_of(), key) > self.max_storage_bytes:
+            return None
+        return key
 
     def run(self, step: GraphStep) -> tuple[torch.Tensor, KVBlock] | None:
         """Run a planned step: ``float32 [rows, vocab_size]`` log-probabilities and the block written.
@@ -462,6 +462,27 @@ def _step(model, caches: StaticCaches, graph: CapturedStep, vocab_size: int) -> 
             **({"genlm_cascade": Cascade(levels)} if levels else {}),
         )
     return fit_to_vocab(output.logits[:, 0], vocab_size)
+
+
+def _step_row(
+    context: tuple[int, ...],
+    levels: tuple[Piece, ...],
+    own: tuple[Segment, ...],
+    index: dict[tuple[int, int, int, int], int],
+    graph: CapturedStep | None,
+    i: int,
+    renews: bool,
+) -> StepRow:
+    """Row ``i`` of a step on ``graph`` (``None``: a new one): in place, or its own part copied to slot 0."""
+    in_place = graph is not None and _in_place(graph, i, own, exact_end=not renews)
+    return StepRow(
+        context,
+        sum(n for _, n in levels),
+        levels[-1][0] if levels else None,
+        tuple(index[_level_id(piece)] for piece in levels),
+        own[0].start if in_place else 0,
+        None if in_place else own,
+    )
 
 
 def _copies(rows: Sequence[StepRow]) -> list[tuple[int, int, Segment]]:
