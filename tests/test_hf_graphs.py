@@ -135,6 +135,16 @@ def test_emulated_replay_repeats_the_capture_s_host_values_and_reads_new_device_
     assert (graphs.num_captures, graphs.num_replays) == (1, 1)
 
 
+def test_emulated_replay_recomputes_conversions_and_reshapes_that_copied_at_capture():
+    """``to``, ``reshape`` and ``contiguous`` are views only when nothing needs converting or moving."""
+    graphs = EmulatedGraphs()
+    positions = torch.zeros(2, 3, dtype=torch.long)
+    replay, output = graphs.capture(lambda: positions.t().float().reshape(6).contiguous() * 2)
+    positions.copy_(torch.arange(6).view(2, 3))
+    replay()
+    torch.testing.assert_close(output, torch.tensor([0.0, 6.0, 2.0, 8.0, 4.0, 10.0]))
+
+
 @pytest.mark.parametrize(
     "host_read",
     [
@@ -229,6 +239,25 @@ def test_steps_without_resampling_write_in_place_into_the_graph_s_block(graph_de
     entries = [runner.kv_tree.longest_prefix(p)[0] for p in particles]
     assert all(entry.block is first_block for entry in entries)
     assert runner.graphs.stats.num_captures == 1
+
+
+def test_particles_left_behind_by_a_resample_keep_their_keys_and_values(graph_device):
+    """A resample renews the graph's storage: the block the tree holds there moves to a copy first."""
+    runner = make_runner(graph_device)
+    rng = random.Random(12)
+    prompt = prompt_of(rng, 140)
+    runner.logprobs([prompt])
+    particles = extend(rng, [prompt] * 4)
+    for _ in range(3):
+        step(runner, particles)
+        particles = extend(rng, particles)
+    step(runner, particles)
+    survivors = extend(rng, [particles[0]] * 2 + [particles[1]] * 2)
+    step(runner, survivors)  # rows copied into the storage the others' entries were in
+    before = runner.num_tokens_computed
+    step(runner, extend(rng, particles[2:]))  # the dropped particles, one token further
+    assert runner.num_tokens_computed - before == 2  # their pasts were found, not recomputed
+    assert runner.graphs.stats.num_captures == 2  # 4 rows, then 2 rows
 
 
 def test_own_parts_outgrowing_their_storage_move_to_a_graph_with_more_slots(graph_device):
