@@ -14,12 +14,16 @@ mode, for one one-token step of ``--particles`` rows behind ``--prompt-tokens``:
 
 ``--cuda-path`` on a CPU counts the CUDA code path, CUDA's fused attention
 kernels emulated (``tests/cuda_emulation.py``): the operations a GPU step
-dispatches, on a machine without one.
+dispatches, on a machine without one. ``--graphs`` on a CPU runs one-token
+steps as captured graphs, emulated (``tests/graph_emulation.py``): a replay
+counts as one ``graph replay``, the host's other operations (the step's
+input copy, copies of resampled rows) as themselves.
 
 Usage::
 
     python benchmarks/count_ops.py --random-weights CONFIG_DIR --dtype bfloat16 --cuda-path
     python benchmarks/count_ops.py --random-weights CONFIG_DIR --dtype bfloat16 --cuda-path --resample
+    python benchmarks/count_ops.py --random-weights CONFIG_DIR --dtype bfloat16 --cuda-path --graphs
     python benchmarks/count_ops.py --device cuda --dtype bfloat16 --random-weights CONFIG_DIR
 """
 
@@ -55,7 +59,7 @@ class Counting(TorchDispatchMode):
 
 
 def count_ours(
-    llm, prompt, own, thread_modes=contextlib.nullcontext, resample=False
+    llm, prompt, own, thread_modes=contextlib.nullcontext, resample=False, graphs=None
 ) -> collections.Counter:
     """Operations of the third step (two warm-up steps first) on the event loop and the worker thread.
 
@@ -63,8 +67,11 @@ def count_ours(
     (dispatch modes are per thread). ``resample``: before each step, particle
     ``i`` continues particle ``7 i mod P`` (then its own token), so each row
     copies another's past into a new block instead of writing in place.
+    ``graphs``: the emulated graphs the runner captures with; a replay counts once.
     """
     counting = Counting()
+    if graphs is not None:
+        count_replays_once(graphs, counting)
     run = llm.runner.run
 
     def counted_run(requests):
@@ -90,6 +97,27 @@ def count_ours(
     finally:
         llm.runner.run = run
     return counting.counts
+
+
+def count_replays_once(graphs, counting: Counting) -> None:
+    """A replay of ``graphs`` (emulated) counts as one operation, not as the operations it re-runs."""
+    capture = graphs.capture
+
+    def capture_counted(step):
+        replay, output = capture(step)
+
+        def launch():
+            counted, counting.counting = counting.counting, False
+            try:
+                replay()
+            finally:
+                counting.counting = counted
+            if counted:
+                counting.counts["graph replay"] += 1
+
+        return launch, output
+
+    graphs.capture = capture_counted
 
 
 def count_floor(model, prompt: list[int], own: list[list[int]], device) -> collections.Counter:
@@ -136,6 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--resample", action="store_true", help="every particle continues another before each step"
     )
+    parser.add_argument(
+        "--graphs", action="store_true", help="on CPU: one-token steps as emulated graphs"
+    )
     args = parser.parse_args(argv)
 
     from genlm_backend.llm.hf import AsyncTransformer
@@ -149,8 +180,15 @@ def main(argv=None) -> None:
         from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 
         thread_modes = EmulatedCudaKernels  # below the counting mode: its own work is not counted
-    with cuda_branches() if args.cuda_path else contextlib.nullcontext():
-        ours = count_ours(llm, prompt, own, thread_modes, args.resample)
+    with contextlib.ExitStack() as stack:
+        if args.cuda_path:
+            stack.enter_context(cuda_branches())
+        graphs = None
+        if args.graphs:
+            from tests.graph_emulation import emulated_graphs
+
+            graphs = stack.enter_context(emulated_graphs())
+        ours = count_ours(llm, prompt, own, thread_modes, args.resample, graphs)
         with thread_modes():
             floor = count_floor(model, prompt, own, args.device)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -158,6 +196,7 @@ def main(argv=None) -> None:
         f"{args.particles} particles behind {args.prompt_tokens} tokens, {layers} layers, "
         f"{args.dtype} on {args.device}{' (CUDA path, kernels emulated)' if args.cuda_path else ''}"
         f"{', resampled before each step' if args.resample else ''}"
+        f"{', one-token steps as graphs (emulated)' if args.graphs else ''}"
     )
     total_ours, total_floor = sum(ours.values()), sum(floor.values())
     print(

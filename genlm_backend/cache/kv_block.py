@@ -36,13 +36,28 @@ class KVBlock:
         self.stacked = stacked
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``[(keys, values), ...]`` per layer, each ``[B, H, T, D]``: views of ``stacked``."""
-        for layer in stacked.unbind(0):
-            keys, values = layer.unbind(0)
-            self.layers.append((keys, values))
+        self._bind(stacked)
         self.nbytes = stacked.numel() * stacked.element_size()
         self.num_live_entries = 0
         self.row_ends: list[int] = [0] * stacked.shape[2]
         """Per row, the end of its written slots: slots past it are free to write."""
+
+    def _bind(self, stacked: torch.Tensor) -> None:
+        self.stacked = stacked
+        self.layers = [tuple(layer.unbind(0)) for layer in stacked.unbind(0)]  # type: ignore[misc]
+
+    def move_to(self, stacked: torch.Tensor) -> None:
+        """Hold the keys/values in ``stacked`` from now on: a copy of :attr:`stacked`, same shape and dtype.
+
+        The entries of the block are unchanged; its former tensor is left to
+        whoever owns it (a captured step reusing its storage).
+        """
+        if stacked.shape != self.stacked.shape or stacked.dtype != self.stacked.dtype:
+            raise ValueError(
+                f"a block of {tuple(self.stacked.shape)} {self.stacked.dtype} cannot move to "
+                f"{tuple(stacked.shape)} {stacked.dtype}"
+            )
+        self._bind(stacked)
 
     @classmethod
     def empty(cls, num_layers: int, shape, dtype: torch.dtype, device) -> KVBlock:

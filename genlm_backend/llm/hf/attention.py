@@ -35,6 +35,10 @@ class Level:
     """A cached prefix read by some rows of a batch: ``block``'s ``row``, slots ``[start, start + length)``.
 
     ``rows``: the batch rows that read it, ``None`` for all of them.
+    ``row_bias``: with ``rows=None``, a float32 ``[B]`` tensor added to each
+    row's log-sum-exp over the level: ``0`` where the row reads it, ``-inf``
+    where it does not (the level then weighs nothing in the merge). Which rows
+    read a level is then device data, as a captured step needs.
     """
 
     block: KVBlock
@@ -42,6 +46,7 @@ class Level:
     start: int
     length: int
     rows: torch.Tensor | None
+    row_bias: torch.Tensor | None = None
 
     def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The level's keys and values in ``layer``, ``[1, H, length, D]`` (views, or the block's own tensors)."""
@@ -258,6 +263,8 @@ def cascade_attention(
         first_set = own if number == 0 else None
         if level.rows is None:
             part, part_lse = _level_attention(query, level_keys, level_values, scale)
+            if level.row_bias is not None:
+                part_lse = part_lse + level.row_bias[:, None, None, None]
             if number + 1 < len(levels):
                 next_lse = torch.logaddexp(lse, part_lse)
             _merge_into(merged, lse, part, part_lse, first_set)

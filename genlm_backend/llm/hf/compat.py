@@ -273,6 +273,43 @@ class StaticCaches:
         )
         return cache
 
+    def scattered(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor):
+        """A ``StaticCache`` over ``layers`` (``[B, H, T, D]`` each) where row ``i``'s one new token goes to slot ``slots[i]``.
+
+        ``slots`` is a ``[B]`` int64 tensor on the layers' device: the write
+        positions are device data, read by the device (a captured step).
+        """
+        from transformers import StaticCache
+        from transformers.cache_utils import Cache
+
+        layer = _scattered_layer_class()
+        cache = StaticCache.__new__(StaticCache)
+        Cache.__init__(cache, layers=[layer(keys, values, slots) for keys, values in layers])
+        return cache
+
+
+@functools.cache
+def _scattered_layer_class():
+    class ScatteredLayer(_runner_layer_class()):  # type: ignore[misc]
+        """A ``StaticLayer`` over the runner's tensors writing each row's one new token at its slot, given as a device tensor."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+            super().__init__(keys, values, 0)
+            # [B] -> [B, H, 1, D], the index scatter_ takes along the slots
+            self._index = slots[:, None, None, None].expand(*keys.shape[:2], 1, keys.shape[-1])
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            # key_states: [B, H, 1, D]
+            keys, values = self._tensors
+            keys.scatter_(2, self._index, key_states)
+            values.scatter_(2, self._index, value_states)
+            return keys, values
+
+        def get_seq_length(self) -> int:
+            return 0  # positions and the mask are given: nothing reads it
+
+    return ScatteredLayer
+
 
 @functools.cache
 def _runner_layer_class():

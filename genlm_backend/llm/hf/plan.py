@@ -45,6 +45,16 @@ Piece = tuple[KVEntry, int]
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Slots ``[start, start + length)`` of ``block``'s ``row``."""
+
+    block: KVBlock
+    row: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class LevelPolicy:
     """When a cached piece is read in place as a level rather than copied into the rows that read it.
 
@@ -306,15 +316,29 @@ def copy_own_parts(plan: PassPlan, block: KVBlock) -> None:
     every particle copies a row of the previous batch, so that is usually one
     copy.
     """
-    groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
+    copies = []
     for i, row in enumerate(plan.rows):
         target = plan.num_past - row.num_own_past
         for entry, n in row.own:
-            key = (id(entry.block), entry.start, n, target)
-            group = groups.setdefault(key, (entry.block, entry.start, n, target, [], []))
-            group[4].append(entry.row)
-            group[5].append(i)
+            copies.append((i, target, Segment(entry.block, entry.row, entry.start, n)))
             target += n
+    copy_segments(block, copies)
+
+
+def copy_segments(block: KVBlock, copies: Sequence[tuple[int, int, Segment]]) -> None:
+    """Copy each ``(row, slot, segment)``'s keys/values into ``block``'s ``row`` from ``slot`` on.
+
+    Segments at the same slots of the same block, bound for the same slots,
+    go in one indexed copy of every layer at once.
+    """
+    groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
+    for i, target, segment in copies:
+        source, start, n = segment.block, segment.start, segment.length
+        group = groups.setdefault(
+            (id(source), start, n, target), (source, start, n, target, [], [])
+        )
+        group[4].append(segment.row)
+        group[5].append(i)
     device = block.stacked.device
     for source, start, n, target, sources, targets in groups.values():
         _copy_rows(

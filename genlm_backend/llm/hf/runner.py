@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree
+from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
 from genlm_backend.llm.hf import plan as layout
 from genlm_backend.llm.hf.adapters import PeftAdapters
 from genlm_backend.llm.hf.attention import Cascade
@@ -38,6 +38,7 @@ from genlm_backend.llm.hf.compat import (
     max_positions,
     shared_levels_unsupported,
 )
+from genlm_backend.llm.hf.graphs import StepGraphs
 from genlm_backend.llm.hf.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
 from genlm_backend.llm.runner import (
     Adapter,
@@ -76,6 +77,12 @@ class HFRunner:
         self.levels_unsupported = shared_levels_unsupported(model)
         """Why shared prefixes are copied per row for this model (``None``: they are read once)."""
         self.level_policy = LevelPolicy(enabled=self.levels_unsupported is None)
+        self.graphs = StepGraphs(
+            lambda: self.model, self._static_cache, kv_tree, vocab_size, self._max_positions
+        )
+        """One-token steps captured as graphs (on CUDA), the rest eager: see :mod:`~genlm_backend.llm.hf.graphs`."""
+        if self.levels_unsupported is not None:
+            self.graphs.unsupported = f"shared levels unsupported: {self.levels_unsupported}"
 
     @property
     def model(self):
@@ -212,16 +219,20 @@ class HFRunner:
         return fit_to_vocab(logits, self.vocab_size)[0]
 
     def load_adapter(self, adapter: Adapter) -> None:
+        self.graphs.clear()  # captured under the model as it was
         self.adapters.load(adapter)
 
     def unload_adapter(self, adapter: Adapter) -> None:
+        self.graphs.clear()
         self.kv_tree.drop_namespace(adapter)
         self.adapters.unload(adapter)
 
     def clear(self) -> None:
+        self.graphs.clear()
         self.kv_tree.clear()
 
     def close(self) -> None:
+        self.graphs.clear()
         self.kv_tree.clear()
 
     @torch.inference_mode()
@@ -270,11 +281,11 @@ class HFRunner:
         )
 
     def _execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
-        """Run the plan's passes; their keys/values enter the tree once every pass succeeded."""
+        """Run the plan's passes, one-token ones as captured steps where they can be; their keys/values enter the tree once every pass succeeded."""
         out = None
         computed = []
         for pass_plan in plan.passes:
-            logprobs, block = self._forward(pass_plan)
+            logprobs, block, placements = self._run_pass(pass_plan, namespace)
             indices = [index for index, _, _ in pass_plan.reads]
             if len(indices) == plan.num_outputs and indices == sorted(indices):
                 out = logprobs  # every row, in order
@@ -282,12 +293,24 @@ class HFRunner:
                 if out is None:
                     out = logprobs.new_empty(plan.num_outputs, self.vocab_size)
                 out[indices] = logprobs
-            computed.append((pass_plan, block))
+            computed.append((placements, block))
         # A failed pass leaves nothing in the tree.
-        for pass_plan, block in computed:
-            self.kv_tree.commit(block, pass_plan.placements(), namespace)
+        for placements, block in computed:
+            self.kv_tree.commit(block, placements, namespace)
         assert out is not None, "a batch has at least one row"
         return out
+
+    def _run_pass(
+        self, plan: PassPlan, namespace: Hashable
+    ) -> tuple[torch.Tensor, KVBlock, list[Placement]]:
+        """A pass's log-probabilities, the block written, and where its rows' contexts are in it."""
+        step = self.graphs.plan(plan, namespace)
+        ran = self.graphs.run(step) if step is not None else None
+        if step is None or ran is None:
+            logprobs, block = self._forward(plan)
+            return logprobs, block, plan.placements()
+        self.num_tokens_computed += len(plan.rows)
+        return *ran, step.placements()
 
     def _forward(self, plan: PassPlan) -> tuple[torch.Tensor, KVBlock]:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
