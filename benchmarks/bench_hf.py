@@ -11,6 +11,8 @@ variant runs in its own process (clean peak RSS):
 * ``ours``: ``genlm_backend.AsyncTransformer`` with default settings (no
   ``batch_size``: each batch takes every waiting context within the token
   budget), or with ``--batch-size``.
+* ``ours+in_loop``: ``ours`` with ``compute_in_loop=True`` (batches in the
+  event loop's thread: torch called from one thread only).
 * ``baseline``: ``ours`` as another checkout of this repository runs it
   (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
@@ -39,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 VARIANTS = ("floor", "ours", "upstream", "upstream+cache_kv")
+OPTIONAL_VARIANTS = ("baseline", "ours+in_loop")
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -55,12 +58,13 @@ def run_variant(
     torch.set_num_threads(2)
     if variant == "floor":
         seconds = _run_floor(particles, steps, model_dir)
-    elif variant == "ours":
-        seconds, stats = _run_ours(particles, steps, model_dir, batch_size)
+    elif variant in ("ours", "ours+in_loop"):
+        in_loop = variant == "ours+in_loop"
+        seconds, stats = _run_ours(particles, steps, model_dir, batch_size, in_loop)
     else:
         raise ValueError(variant)
     result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
-    if variant == "ours":
+    if variant in ("ours", "ours+in_loop"):
         result["stats"] = stats
     return result
 
@@ -102,7 +106,9 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
         return time.perf_counter() - start
 
 
-def _run_ours(particles: int, steps: int, model_dir: str, batch_size: int | None):
+def _run_ours(
+    particles: int, steps: int, model_dir: str, batch_size: int | None, in_loop: bool = False
+):
     import asyncio
     import dataclasses
 
@@ -112,7 +118,8 @@ def _run_ours(particles: int, steps: int, model_dir: str, batch_size: int | None
     from genlm_backend.llm.hf import AsyncTransformer
 
     model, tokenizer = _load(model_dir)
-    llm = AsyncTransformer(model, tokenizer, **({"batch_size": batch_size} if batch_size else {}))
+    options = {"batch_size": batch_size} if batch_size else {}
+    llm = AsyncTransformer(model, tokenizer, compute_in_loop=in_loop, **options)
     prompt = prompt_ids(tokenizer)
     llm.next_token_logprobs_uncached(prompt)  # warm-up, caches nothing
 
@@ -216,12 +223,14 @@ def main(argv=None) -> None:
         "--workloads", nargs="+", default=["16x32", "64x128"], help="PARTICLESxSTEPS"
     )
     parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "baseline")
+        "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, *OPTIONAL_VARIANTS)
     )
     parser.add_argument(
         "--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs"
     )
-    parser.add_argument("--child", choices=("floor", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=("floor", "ours", "ours+in_loop"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

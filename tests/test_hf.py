@@ -358,8 +358,8 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_repeated_heads():
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("compute_in_loop", [None, False])
-async def test_batches_run_in_the_loop_thread_on_cpu_unless_told_otherwise(
+@pytest.mark.parametrize("compute_in_loop", [True, False])
+async def test_batches_run_in_the_loop_thread_when_asked_else_in_a_worker(
     tiny_llama, compute_in_loop
 ):
     import threading
@@ -374,7 +374,7 @@ async def test_batches_run_in_the_loop_thread_on_cpu_unless_told_otherwise(
     for context, row in zip(contexts, rows):
         assert_matches_reference(llm, context, row)
     in_loop = threads == [threading.get_ident()]
-    assert in_loop == (compute_in_loop is None) and len(threads) == 1
+    assert in_loop == compute_in_loop and len(threads) == 1
     with pytest.raises(ValueError, match="outside the vocabulary"):  # errors reach their caller
         await llm.next_token_logprobs([10**9])
     llm.runner.run = lambda requests: (_ for _ in ()).throw(RuntimeError("model failed"))  # type: ignore[method-assign]

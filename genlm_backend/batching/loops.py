@@ -39,9 +39,11 @@ class LoopBatchers(Generic[K, V]):
     calling torch (the worker), GNU OpenMP keeps a team per calling thread,
     counts more threads than cores and stops spinning: a 16 x 576 by 576 x
     1,536 matrix product took 300 us instead of 216 us, and SmolLM2's decode
-    steps 20% longer (2-vCPU machine, ``bench_hf.py``). Meant for in-process
-    CPU work, where nothing else needs the loop while a batch computes;
-    a server keeps the worker thread.
+    steps 20% longer (2-vCPU machine, ``bench_hf.py``). Meant for a CPU
+    model in a process of its own whose coroutines all wait for the model: the
+    team then spins between parallel regions, which is also why several such
+    processes on one machine slow each other down badly (off by default; a
+    server keeps the worker thread).
 
     Args:
         process_batch: As for :class:`AutoBatcher`.

@@ -8,9 +8,6 @@ requests computing and queued fails them all at once with
 ``BackendClosedError`` (a ``BatcherClosedError``), without waiting for the
 computing batch and without blocking the event loop; every later use raises
 ``BackendClosedError``. Results are checked against uncached forwards (1e-4).
-
-Batches run in the worker thread (``compute_in_loop=False``, as the server runs
-them): with batches in the loop's thread nothing else runs while one computes.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ HOLD_S = WAIT_S  # longest a gated forward waits: a hang guard, never reached by
 def llm_parts(llama_copy):
     """(a fresh AsyncTransformer over the private model copy, its model, a reference checker)."""
     model, reference_model, tokenizer = llama_copy
-    llm = AsyncTransformer(model, tokenizer, batch_size=8, compute_in_loop=False)
+    llm = AsyncTransformer(model, tokenizer, batch_size=8)
     yield llm, model, ReferenceChecker(reference_model, llm.vocab_size)
     llm.close()
 

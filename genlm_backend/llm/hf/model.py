@@ -36,10 +36,12 @@ class AsyncTransformer(AsyncLM):
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
         compute_in_loop: Run batches in the event loop's thread, blocking it while
-            they compute (``None``: on a CPU model, where a second thread calling
-            torch makes its decode steps about 20% slower; see
-            :class:`~genlm_backend.batching.LoopBatchers`); else in a worker thread.
-            Settable later as ``llm.batchers.compute_in_loop``.
+            they compute, instead of a worker thread. On a CPU model in a process
+            of its own this makes decode steps about 20% faster (torch called
+            from one thread only; see :class:`~genlm_backend.batching.LoopBatchers`);
+            with several such processes on one machine it makes them fight for
+            the cores (docs: backends, "CPU threads"). Settable later as
+            ``llm.batchers.compute_in_loop``.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -57,7 +59,7 @@ class AsyncTransformer(AsyncLM):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
-        compute_in_loop: bool | None = None,
+        compute_in_loop: bool = False,
         **kwargs,
     ):
         window = attention_window(hf_model.config)
@@ -73,8 +75,6 @@ class AsyncTransformer(AsyncLM):
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
         self.runner = HFRunner(hf_model.eval(), self.kv_cache, self.vocab_size)
-        if compute_in_loop is None:
-            compute_in_loop = self.runner.device.type == "cpu"
         self.batchers.compute_in_loop = compute_in_loop
 
     @property
