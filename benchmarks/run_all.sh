@@ -9,7 +9,9 @@ mkdir -p "$out"
 upstream_python=$(bash benchmarks/upstream_env.sh | tail -n 1)
 
 python benchmarks/bench_attention.py | tee "$out/attention.md"
-python benchmarks/bench_hf.py --workloads 16x32 --repeats 3 | tee "$out/hf_16x32.md"
+python benchmarks/bench_hf.py --workloads 16x32 --repeats 5 \
+    --variants floor ours ours+in_loop upstream+cache_kv | tee "$out/hf_16x32.md"
+python benchmarks/bench_request_host.py --lengths 64 1024 4097 | tee "$out/request_host.md"
 python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64.md"
 OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 \
     --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64_omp.md"
@@ -18,6 +20,7 @@ python benchmarks/bench_hf.py --workloads 64x128 --repeats 1 --variants floor ou
 python benchmarks/bench_hf.py --workloads 1x32 4x32 16x32 64x32 --repeats 1 \
     --variants floor ours upstream+cache_kv --json "$out/hf_sweep.json" | tee "$out/hf_sweep.md"
 python benchmarks/plot_hf.py "$out/hf_sweep.json" benchmarks/hf_time_vs_particles.png
+python benchmarks/bench_long_prompt.py --workloads 32x16@1024 32x16@4096 --paired 5 | tee "$out/long_prompt_paired.md"
 python benchmarks/bench_long_prompt.py --workloads 32x16@1024 32x16@4096 \
     --variants floor ours ncopies upstream --upstream-python "$upstream_python" | tee "$out/long_prompt.md"
 bash benchmarks/upstream_mlx_env.sh > /dev/null
@@ -28,7 +31,7 @@ python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 2 | tee "$out/tr
 python benchmarks/bench_trie.py --vocab smollm2 qwen3 --threads 1 | tee "$out/trie_1thread.md"
 python benchmarks/bench_vocab.py | tee "$out/vocab.md"
 python benchmarks/bench_transport.py | tee "$out/transport.md"
-python benchmarks/bench_serve.py --particles 16 --steps 16 --runs 3 --plot benchmarks/serve.png | tee "$out/serve.md"
+python benchmarks/bench_serve.py --particles 16 --steps 16 --runs 5 --plot benchmarks/serve.png | tee "$out/serve.md"
 python benchmarks/bench_vllm.py | tee "$out/vllm.md"
 python benchmarks/bench_vllm.py --steps 8 | tee "$out/vllm_8steps.md"
 python benchmarks/bench_vllm_long_prompt.py --repeats 3 | tee "$out/vllm_long_prompt.md"
