@@ -187,7 +187,8 @@ class RecentContexts:
     validated are forgotten first); safe to use from several threads.
 
     Args:
-        vocab_size, max_context_length: As :func:`validate_token_ids`'s.
+        vocab_size: As :func:`validate_token_ids`'s.
+        max_context_length: As :func:`validate_token_ids`'s.
         max_tokens: Most tokens of the contexts held (8 bytes each, shared with
             the requests that hold the same contexts).
     """
