@@ -153,6 +153,16 @@ def test_a_recent_parent_never_lets_a_bad_context_through():
     ):
         with pytest.raises(error):
             recent.validate(bad)
+    long = list(range(40))
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    recent.validate(long)
+    for element in (np.array([0, 1]), [0]):  # compared elementwise; unhashable
+        with pytest.raises(TypeError, match=r"token_ids\[0\]"):
+            recent.validate([element, *long[1:], 7])
+        with pytest.raises(TypeError, match=r"token_ids\[39\]"):
+            recent.validate([*long[:39], element, 7])
+    with pytest.raises(TypeError, match=r"token_ids\[39\]"):  # a float unequal to the recent token
+        recent.validate([*long[:39], 0.0, 7])
     mutated = [1, 2, 3]
     recent.validate(mutated)
     mutated[0] = VOCAB_SIZE  # the caller's list changes after its check: ours did not

@@ -230,13 +230,18 @@ class RecentContexts:
         last = token_ids[-1]
         if type(last) is not int or not 0 <= last < self.vocab_size:
             return None
-        tail = tuple(token_ids[-HASHED_TAIL - 1 : -1])
-        parent = self._by_hash.get(hash((length - 1, tail)))
-        if parent is None or len(parent) != length - 1:
-            return None
-        # Two copies and a comparison at C speed (identical elements compare by identity).
-        context = parent + (last,)
-        if context != tuple(token_ids):
+        # Elements of any kind may come here (the full check names a bad one): one that
+        # cannot be hashed or compared (an array, a list) sends the context to that check.
+        try:
+            tail = tuple(token_ids[-HASHED_TAIL - 1 : -1])
+            parent = self._by_hash.get(hash((length - 1, tail)))
+            if parent is None or len(parent) != length - 1:
+                return None
+            # Two copies and a comparison at C speed (identical elements compare by identity).
+            context = parent + (last,)
+            if context != tuple(token_ids):
+                return None
+        except (TypeError, ValueError):
             return None
         return context, parent
 
