@@ -223,6 +223,56 @@ async def test_deduplicated_key_survives_one_cancelled_waiter_in_flight(running_
     await batcher.aclose()
 
 
+async def test_submit_many_queues_every_key_and_returns_values_in_order(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S, flush_on_idle=True)
+    alone = asyncio.ensure_future(batcher.submit("b"))  # another caller's, shared
+    values = await bounded(batcher.submit_many(["a", "b", "c", "a"]))
+    assert values == ["value:a", "value:b", "value:c", "value:a"]
+    assert await bounded(alone) == "value:b"
+    assert running_recorder.batches == [["b", "a", "c"]]  # one batch, each key once
+    assert batcher.stats.num_deduplicated == 2
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_cancelled_submit_many_drops_its_queued_keys_and_keeps_shared_ones(
+    running_recorder,
+):
+    batcher = make_batcher(
+        running_recorder, max_batch_size=4, timeout_s=LONG_S, flush_on_idle=False
+    )
+    shared = asyncio.ensure_future(batcher.submit("shared"))
+    many = asyncio.ensure_future(batcher.submit_many(["mine", "shared", "also mine"]))
+    await asyncio.sleep(0)  # both queued
+    assert batcher.stats.num_pending == 3
+    many.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await many
+    assert batcher.stats.num_pending == 1  # only the key another caller waits for
+    more = [batcher.submit(key) for key in ("x", "y", "z")]  # with "shared", a full batch
+    assert await bounded(asyncio.gather(shared, *more)) == [
+        "value:shared",
+        "value:x",
+        "value:y",
+        "value:z",
+    ]
+    assert running_recorder.batches == [["shared", "x", "y", "z"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_submit_many_raises_its_failed_batch_error(running_recorder):
+    running_recorder.fail_on = "bad"
+    batcher = make_batcher(
+        running_recorder, max_batch_size=2, timeout_s=LONG_S, flush_on_idle=False
+    )
+    with pytest.raises(ValueError, match="cannot process 'bad'"):
+        await bounded(batcher.submit_many(["a", "b", "bad", "c"]))
+    assert await bounded(batcher.submit_many(["d", "e"])) == ["value:d", "value:e"]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
 # ---------------------------------------------------------------- errors
 
 

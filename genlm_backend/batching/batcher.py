@@ -117,6 +117,31 @@ class AutoBatcher(Generic[K, V]):
         finally:
             self._release_waiter(key, future)
 
+    async def submit_many(self, keys: Sequence[K]) -> list[V]:
+        """:meth:`submit` for several keys of one caller, without a task per key: their values, in order.
+
+        Every key is queued before any waits. Raises what :meth:`submit` would
+        for the first key, in order, whose computation failed; a cancellation
+        releases every key (a queued computation nobody else waits for is
+        dropped before it costs model work).
+        """
+        futures: list[asyncio.Future] = []
+        try:
+            for key in keys:
+                future = self._enqueue_nowait(key)
+                self._num_waiters[future] = self._num_waiters.get(future, 0) + 1
+                futures.append(future)
+            waiting = {future for future in futures if not future.done()}
+            if waiting:
+                await asyncio.wait(waiting)  # unlike gather, never cancels them
+            return [future.result() for future in futures]
+        except asyncio.CancelledError:
+            self._counts["cancelled"] += len(keys)
+            raise
+        finally:
+            for key, future in zip(keys, futures):
+                self._release_waiter(key, future)
+
     def _enqueue_nowait(self, key: K) -> asyncio.Future:
         if self._is_closed:
             raise self._closed_error()

@@ -230,12 +230,16 @@ class AsyncLM:
         requests = self._core.requests(
             as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
         )
-        # Rows in the output cache are read here: only the others go to the batcher.
+        # Rows in the output cache are read here: only the others go to the batcher, together.
         rows = [self._core.cached(request) for request in requests]
         missing = [i for i, row in enumerate(rows) if row is None]
         if missing:
-            computed = await asyncio.gather(*(self._compute(requests[i]) for i in missing))
+            computed = await self._batched(
+                lambda batcher: batcher.submit_many([requests[i] for i in missing])
+            )
             for i, row in zip(missing, computed):
+                if isinstance(row, ValueError):
+                    raise row
                 rows[i] = row
         return rows  # type: ignore[return-value]  # every None was filled
 
@@ -247,16 +251,21 @@ class AsyncLM:
 
     async def _compute(self, request: Request) -> torch.Tensor:
         """``request``'s row from the batcher (not looked up in the output cache)."""
+        row = await self._batched(lambda batcher: batcher.submit(request))
+        if isinstance(row, ValueError):
+            raise row
+        return row
+
+    async def _batched(self, submit):
+        """``await submit(batcher)`` on the running loop's batcher; a closing backend's failure
+        reaches the caller as :class:`BackendClosedError`."""
         try:
-            row = await self.batchers.current().submit(request)
+            return await submit(self.batchers.current())
         except Exception as exc:
             # Whatever a closing backend made the batch fail with, the caller should learn why.
             if self._core.is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
             raise
-        if isinstance(row, ValueError):
-            raise row
-        return row
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
