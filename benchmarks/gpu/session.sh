@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU issue's measurements and GPU tests in one device call (about 8 minutes on an
+# The GPU tests and the GPU step measurements in one call on a lent GPU machine (about 8 minutes on an
 # H100, the model's first load included). Prepare here with benchmarks/gpu/wheels.sh,
 # then run on the device machine from the repository root:
 #
@@ -31,10 +31,10 @@ part() {  # part NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, report i
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
-# Item 4 on real graphs: every captured step against run_uncached.
+# Captured steps on real CUDA graphs, every row against run_uncached.
 part tests 90 python3 -m pytest -q -x -m gpu -p no:randomly -p no:cacheprovider \
     tests/test_hf_graphs.py
-# Item 5: R, G, ours-runner, ours in one process per workload.
+# R (the bandwidth limit), G (an engine step), ours-runner and ours, one process per workload.
 part step_8b 170 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
     --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096
 part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
