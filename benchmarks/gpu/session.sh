@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU tests and the GPU step measurements in one call on a lent GPU machine (about 8 minutes on an
-# H100, the model's first load included). Prepare here with benchmarks/gpu/wheels.sh,
-# then run on the device machine from the repository root:
+# The GPU tests and the GPU step measurements in one call on a GPU machine (about 8
+# minutes on an H100, the models' first loads included). Prepare with
+# benchmarks/gpu/wheels.sh where pip works, then run there from the repository root:
 #
 #     bash benchmarks/gpu/session.sh        (carry [".whl"], timeout_s 590)
 #
