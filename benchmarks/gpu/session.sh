@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tests and the GPU step measurements in one call on a GPU machine (about 8
-# minutes on an H100, the models' first loads included). Prepare with
+# The GPU tests and the GPU step measurements in one call on a GPU machine (the parts'
+# limits add up to 500 s; not yet timed on a GPU). Prepare with
 # benchmarks/gpu/wheels.sh where pip works, then run there from the repository root:
 #
 #     bash benchmarks/gpu/session.sh        (carry [".whl"], timeout_s 590)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run here (a machine with PyPI), from the repository root, before a device call:
+# Run where pip reaches PyPI, from the repository root, before a device call:
 # downloads into .whl/ (git-ignored) the packages the GPU image lacks or holds too old
 # (its Python 3.12 has torch and transformers 5.17; we need transformers >= 5.19).
 # session.sh installs them there. About 14 MB.
