@@ -55,3 +55,5 @@ def bounded(awaitable):
 def assert_settled(batcher: AutoBatcher) -> None:
     stats = batcher.stats
     assert (stats.num_pending, stats.num_inflight) == (0, 0), stats
+    # No waiter is still counted, and no computation is still marked as shared.
+    assert not batcher._num_waiters and not batcher._joined

@@ -235,6 +235,40 @@ async def test_submit_many_queues_every_key_and_returns_values_in_order(running_
     await batcher.aclose()
 
 
+async def test_a_request_arriving_during_the_idle_check_is_dispatched_without_the_timeout(
+    running_recorder,
+):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S, flush_on_idle=True)
+    first = asyncio.ensure_future(batcher.submit("a"))
+    await asyncio.sleep(0)  # "a" queued; the worker starts on the next pass
+    second = asyncio.ensure_future(batcher.submit("b"))  # arrives while it checks for idleness
+    assert await bounded(asyncio.gather(first, second)) == ["value:a", "value:b"]
+    assert running_recorder.batches == [["a", "b"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_submit_many_owned_is_true_only_when_no_other_waiter_shared_a_value(
+    running_recorder,
+):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S, flush_on_idle=True)
+    assert await bounded(batcher.submit_many_owned(["a", "b"])) == (["value:a", "value:b"], True)
+    # Another caller joins one of this call's computations.
+    many = asyncio.ensure_future(batcher.submit_many_owned(["c", "d"]))
+    await asyncio.sleep(0)  # "c" and "d" queued
+    joiner = asyncio.ensure_future(batcher.submit("d"))
+    assert await bounded(many) == (["value:c", "value:d"], False)
+    assert await bounded(joiner) == "value:d"
+    # This call joins another caller's computation.
+    other = asyncio.ensure_future(batcher.submit("e"))
+    assert await bounded(batcher.submit_many_owned(["e", "f"])) == (["value:e", "value:f"], False)
+    assert await bounded(other) == "value:e"
+    # The same key twice in one call shares one computation.
+    assert await bounded(batcher.submit_many_owned(["g", "g"])) == (["value:g"] * 2, False)
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
 async def test_a_cancelled_submit_many_drops_its_queued_keys_and_keeps_shared_ones(
     running_recorder,
 ):

@@ -62,6 +62,7 @@ class AutoBatcher(Generic[K, V]):
         self._pending: PendingQueue[K] = PendingQueue()
         self._inflight: dict[K, asyncio.Future] = {}
         self._num_waiters: dict[asyncio.Future, int] = {}  # per computation, not per key
+        self._joined: set[asyncio.Future] = set()  # computations a second waiter joined
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._is_closed = False
@@ -125,6 +126,16 @@ class AutoBatcher(Generic[K, V]):
         releases every key (a queued computation nobody else waits for is
         dropped before it costs model work).
         """
+        values, _ = await self.submit_many_owned(keys)
+        return values
+
+    async def submit_many_owned(self, keys: Sequence[K]) -> tuple[list[V], bool]:
+        """:meth:`submit_many`, and whether this caller alone waited for every value.
+
+        ``True`` when each key started a computation of its own that no other
+        waiter joined (nor another key of this call): nobody else was handed
+        these values, so the caller may keep them without copying.
+        """
         futures: list[asyncio.Future] = []
         try:
             for key in keys:
@@ -134,7 +145,9 @@ class AutoBatcher(Generic[K, V]):
             waiting = {future for future in futures if not future.done()}
             if waiting:
                 await asyncio.wait(waiting)  # unlike gather, never cancels them
-            return [future.result() for future in futures]
+            values = [future.result() for future in futures]
+            owned = all(self._num_waiters[f] == 1 and f not in self._joined for f in futures)
+            return values, owned
         except asyncio.CancelledError:
             self._counts["cancelled"] += len(keys)
             raise
@@ -151,6 +164,7 @@ class AutoBatcher(Generic[K, V]):
         if future is not None:
             self._counts["requests"] += 1
             self._counts["deduplicated"] += 1
+            self._joined.add(future)
             return future
         num_tokens = 1 if self._request_tokens is None else self._request_tokens(key)
         if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -179,6 +193,7 @@ class AutoBatcher(Generic[K, V]):
             self._num_waiters[future] = remaining
             return
         del self._num_waiters[future]
+        self._joined.discard(future)
         # Nobody waits for a computation that is still queued: drop it before it costs model work.
         if self._pending.future_of(key) is future and not future.done():
             self._pending.remove(key)
@@ -224,8 +239,10 @@ class AutoBatcher(Generic[K, V]):
             )
             if remaining_s <= 0:
                 return
-            if self.config.flush_on_idle and await self._loop_went_idle():
-                return
+            if self.config.flush_on_idle:
+                if await self._loop_went_idle():
+                    return
+                continue  # requests came during the check (new or joining queued ones): again
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining_s)

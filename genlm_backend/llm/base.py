@@ -26,7 +26,7 @@ from genlm_backend.batching import (
 )
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError
-from genlm_backend.llm.core import AdapterRegistry, LMCore
+from genlm_backend.llm.core import AdapterRegistry, LMCore, one_block
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
@@ -219,7 +219,9 @@ class AsyncLM:
 
         Every context is validated before any is computed.
         """
-        return torch.stack(await self.batch_rows(token_ids_list, lora_name))
+        rows, owned = await self._rows(token_ids_list, lora_name)
+        block = one_block(rows) if owned else None
+        return torch.stack(rows) if block is None else block
 
     async def batch_rows(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -227,21 +229,29 @@ class AsyncLM:
         """:meth:`batch_next_token_logprobs`'s rows before they are stacked: the cached and
         computed rows themselves, to be read, never changed (the server copies them once, into
         a client's shared memory or its answer)."""
+        rows, _ = await self._rows(token_ids_list, lora_name)
+        return rows
+
+    async def _rows(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None
+    ) -> tuple[list[torch.Tensor], bool]:
+        """:meth:`batch_rows`, and whether they were all computed for this call alone."""
         requests = self._core.requests(
             as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
         )
         # Rows in the output cache are read here: only the others go to the batcher, together.
         rows = [self._core.cached(request) for request in requests]
         missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
-            computed = await self._batched(
-                lambda batcher: batcher.submit_many([requests[i] for i in missing])
-            )
-            for i, row in zip(missing, computed):
-                if isinstance(row, ValueError):
-                    raise row
-                rows[i] = row
-        return rows  # type: ignore[return-value]  # every None was filled
+        if not missing:
+            return rows, False  # type: ignore[return-value]  # no None left
+        computed, owned = await self._batched(
+            lambda batcher: batcher.submit_many_owned([requests[i] for i in missing])
+        )
+        for i, row in zip(missing, computed):
+            if isinstance(row, ValueError):
+                raise row
+            rows[i] = row
+        return rows, owned and len(missing) == len(rows)  # type: ignore[return-value]
 
     async def _submit(self, request: Request) -> torch.Tensor:
         cached = self._core.cached(request)

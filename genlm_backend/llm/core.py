@@ -271,12 +271,16 @@ class LMCore:
             if cached is not None:
                 rows[request] = cached
         missing = [request for request in dict.fromkeys(requests) if request not in rows]
-        for chunk in self.batching.split(missing, self.request_tokens):
+        chunks = self.batching.split(missing, self.request_tokens)
+        for chunk in chunks:
             for request, row in zip(chunk, self.compute(list(chunk))):
                 if isinstance(row, ValueError):
                     raise row
                 rows[request] = row
-        return torch.stack([rows[request] for request in requests])  # stack copies: caller owns it
+        ordered = [rows[request] for request in requests]
+        # Distinct rows of one runner output, none cached: that output is the caller's alone.
+        block = one_block(ordered) if len(chunks) == 1 and len(missing) == len(requests) else None
+        return torch.stack(ordered) if block is None else block  # stack copies: caller owns it
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         """One plain forward pass over the whole context (the reference): ``[V]``."""
@@ -352,3 +356,30 @@ def _replaced_adapter_error(request: Request | ScoreRequest) -> ValueError:
     return ValueError(
         f"LoRA adapter {name!r} was removed or re-registered while this request waited"
     )
+
+
+def one_block(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[len(rows), V]`` tensor whose rows ``rows`` are, all of them and in order; else ``None``.
+
+    A runner returns a fresh tensor per batch, and every other holder of its
+    rows copies them (the output cache stores compact copies, single-row
+    callers get :func:`own_copy`). So a batch call whose rows were computed
+    for it alone, as one runner output, returns that output itself instead
+    of a stacked copy of it.
+    """
+    base = rows[0]._base
+    if base is None or base.dim() != 2 or not base.is_contiguous():
+        return None
+    num_rows, width = base.shape
+    if num_rows != len(rows) or rows[0].shape != (width,):
+        return None
+    start, stride = base.storage_offset(), base.stride(0)
+    for index, row in enumerate(rows):
+        if (
+            row._base is not base
+            or row.storage_offset() != start + index * stride
+            or row.shape != (width,)
+            or row.stride() != (1,)
+        ):
+            return None
+    return base
