@@ -148,12 +148,13 @@ async def test_a_batch_computed_for_its_caller_alone_is_the_runner_output_itself
     contexts = [[1, 2], [1, 3], [4]]
     batch = await llm.batch_next_token_logprobs(contexts)
     sync = llm.batch_next_token_logprobs_sync([[5, 6], [7]])
-    assert [batch.data_ptr(), sync.data_ptr()] == [out.data_ptr() for out in outputs]
-    for rows, batch_contexts in ((batch, contexts), (sync, [[5, 6], [7]])):
+    one = await llm.batch_next_token_logprobs([[8]])  # a one-row output: the cache copies it too
+    assert [r.data_ptr() for r in (batch, sync, one)] == [out.data_ptr() for out in outputs]
+    for rows, batch_contexts in ((batch, contexts), (sync, [[5, 6], [7]]), (one, [[8]])):
         expected = torch.stack([reference(context) for context in batch_contexts])
         torch.testing.assert_close(rows, expected, atol=TOL, rtol=0)
         rows.fill_(0.0)  # the caller's own: later results (cached or not) are unchanged
-    for context in contexts + [[5, 6], [7]]:
+    for context in contexts + [[5, 6], [7], [8]]:
         torch.testing.assert_close(
             await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
         )

@@ -236,7 +236,12 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
                 (logprobs([[256]]), 400, "outside the vocabulary"),
                 (offer(b"\xc1garbage"), 400, "not msgpack"),
                 (offer(protocol.pack({"client": "c", "name": 1})), 400, "'name' (str)"),
-                (offer(slab_offer(capacity_rows=5)), 413, "a slab of 5 rows"),
+                (offer(slab_offer(capacity_rows=13)), 413, "a slab of 13 rows"),
+                (
+                    post(protocol.encode_logprobs_request([[1]], [None], slab_row=12)),
+                    400,
+                    "'slab_row' must be an int in [0, 12)",
+                ),
             ]
             for response, status, message in cases:
                 assert response.status == status

@@ -9,6 +9,10 @@ process's ``/proc/PID/maps`` (mappings, which hold the memory).
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import gc
+import os
 import signal
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import torch
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import ServerUnavailableError
 from genlm_backend.serve import RemoteLM
-from genlm_backend.serve.slab import Slab
+from genlm_backend.serve.slab import Slab, slab_bytes
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, wait_until
 
@@ -87,6 +91,69 @@ async def test_returned_rows_stay_valid_and_unaliased_when_the_slab_is_reused(re
         await remote.batch_next_token_logprobs(contexts(2, 8)),
         reference.batch_next_token_logprobs_sync(contexts(2, 8)),
     )
+
+
+async def test_batch_rows_are_lent_without_a_copy_until_their_tensors_go(server, reference):
+    def expected(first: int) -> torch.Tensor:
+        return reference.batch_next_token_logprobs_sync(contexts(first, 8))
+
+    with RemoteLM(server.url, output_cache_bytes=0) as lm:
+        first = await lm.batch_next_token_logprobs(contexts(6, 8))
+        second = await lm.batch_next_token_logprobs(contexts(7, 8))
+        assert (lm.runner.num_rows_lent, lm.runner.num_rows_on_loan) == (16, 16)
+        # Both lent regions are held: the next batch goes through the scratch rows, copied.
+        third = await lm.batch_next_token_logprobs(contexts(8, 8))
+        assert (lm.runner.num_rows_lent, lm.runner.num_rows_on_loan) == (16, 16)
+        for rows, first_token in ((first, 6), (second, 7), (third, 8)):
+            assert torch.equal(rows, expected(first_token))
+        second.fill_(0.0)  # the caller's own: the server's rows do not change
+        assert torch.equal(await lm.batch_next_token_logprobs(contexts(7, 8)), expected(7))
+        del first, second, third
+        wait_until(lambda: nothing_on_loan(lm))
+        # Rows of single-row calls are copies: their batch's region comes back once the
+        # loop and the worker thread have let go of the batch (the futures that carried it).
+        single = await lm.next_token_logprobs([9, 1])
+        assert torch.equal(single, reference.next_token_logprobs_sync([9, 1]))
+        await asyncio.sleep(0)
+        assert lm.runner.num_rows_lent == 17
+        wait_until(lambda: nothing_on_loan(lm))
+
+
+def nothing_on_loan(lm: RemoteLM) -> bool:
+    gc.collect()
+    return lm.runner.num_rows_on_loan == 0
+
+
+def test_lent_rows_outlive_their_client_and_then_free_the_slab(server, reference):
+    lm = RemoteLM(server.url, output_cache_bytes=0)
+    rows = lm.batch_next_token_logprobs_sync(contexts(10, 4))
+    name = lm.runner.slab_name
+    assert lm.runner.num_rows_on_loan == 4
+    lm.close()
+    wait_until(lambda: name not in maps_of(server.process.pid))
+    assert name in maps_of("self")  # the lent rows' mapping
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(10, 4)))
+    del rows
+    gc.collect()
+    wait_until(lambda: name not in maps_of("self"))
+
+
+def test_a_dev_shm_without_room_for_three_batches_gets_a_slab_of_scratch_rows(
+    server, reference, monkeypatch
+):
+    reserve, one_batch = os.posix_fallocate, slab_bytes(8, len(BYTE_VOCAB))
+
+    def small_dev_shm(fd: int, offset: int, length: int) -> None:
+        if length > one_batch:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", small_dev_shm)
+    with RemoteLM(server.url, output_cache_bytes=0) as lm:
+        rows = lm.batch_next_token_logprobs_sync(contexts(11, 8))
+        assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(11, 8)))
+        assert lm.runner.slab_name is not None and lm.runner.shared_memory_refusal is None
+        assert lm.runner.num_rows_lent == 0  # copied out of the scratch rows
 
 
 def test_the_slab_grows_with_the_batches_and_each_client_holds_one(server):

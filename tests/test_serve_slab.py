@@ -124,10 +124,14 @@ def test_names_that_are_not_slabs_are_refused_before_opening():
 def test_rows_beyond_the_capacity_are_refused():
     slab = Slab.create(8, VOCAB)
     try:
-        with pytest.raises(ValueError, match="9 rows do not fit a slab of 8"):
+        with pytest.raises(ValueError, match="9 rows from row 0 do not fit a slab of 8"):
             slab.read(9)
-        with pytest.raises(ValueError, match="9 rows do not fit"):
+        with pytest.raises(ValueError, match="3 rows from row 6 do not fit a slab of 8"):
+            slab.read(3, first_row=6)
+        with pytest.raises(ValueError, match="9 rows from row 0 do not fit"):
             slab.write(torch.zeros(9, VOCAB))
+        with pytest.raises(ValueError, match="2 rows from row 7 do not fit"):
+            slab.write(torch.zeros(2, VOCAB), first_row=7)
     finally:
         slab.close()
         slab.unlink()

@@ -90,9 +90,10 @@ class OutputCache:
         device = None
         if self.move_to_cpu and value.device.type != "cpu":
             device, value = value.device, value.cpu()
-        if value.untyped_storage().nbytes() > size:
+        if value._base is not None or value.untyped_storage().nbytes() > size:
             # A view (e.g. one row of a [B, V] batch) would keep its whole base
-            # tensor alive while the budget counts only the view.
+            # tensor alive while the budget counts only the view, and shares
+            # memory the caller may own (a batch call may return that base).
             value = value.clone()
         with self._lock:
             old = self._entries.pop(key, None)

@@ -183,7 +183,7 @@ class ServeApp:
         finally:
             self._num_logprobs_in_flight -= 1
         self._counts["rows"] += len(rows)
-        if self.sessions.write(request.session, rows):
+        if self.sessions.write(request.session, rows, request.slab_row):
             return protocol.pack({"num_rows": len(rows)}), protocol.SLAB_CONTENT_TYPE
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
 

@@ -5,10 +5,23 @@ if the server maps it, the session's answer stays open on a connection of
 its own, and the slab's name is unlinked at once (from then on nothing can
 be left behind in ``/dev/shm``, whichever process dies). Closing the session
 (closing that connection, or dying) tells the server to unmap it.
+
+Rows without a copy: a slab holds ``batch_rows`` rows of *scratch* and twice
+as many to *lend*. A batch's rows go into a free region of the lent part
+when there is one, and the tensor returned views that region (no copy); the
+region is lent until that tensor and every view of it are gone (the
+client's output cache keeps copies of its own), and only then named in a
+request again. When no region is free (the caller keeps many results), the
+rows go into the scratch part and are copied out, as from a slab without a
+lent part (one made where ``/dev/shm`` has no room for three batches). Lent views hold a second mapping of the slab
+(:meth:`~genlm_backend.serve.slab.Slab.lending_map`), so the memory stays
+valid after the slab is closed or replaced, until the last view goes.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Generator
 from typing import cast
 
@@ -17,13 +30,46 @@ import urllib3
 
 from genlm_backend.errors import ServerUnavailableError
 from genlm_backend.serve import http, protocol
-from genlm_backend.serve.slab import Slab, SlabRefused
+from genlm_backend.serve.slab import Slab, SlabRefused, rows_view
+
+
+class RowLoans:
+    """Which rows of a slab's lent part are lent: first-fit regions, given back from any thread."""
+
+    def __init__(self, first_row: int, num_rows: int):
+        self.first_row = first_row
+        self._free = bytearray(b"\x01") * num_rows  # 1: free
+        # Reentrant: a view collected by the garbage collector while this thread holds
+        # the lock gives its region back from within.
+        self._lock = threading.RLock()
+        self.num_lent = 0
+        """Rows lent now."""
+
+    def lend(self, num_rows: int) -> int | None:
+        """The first row of a free region of ``num_rows`` rows, now lent; ``None``: none free."""
+        free, lent = b"\x01" * num_rows, bytes(num_rows)
+        with self._lock:
+            at = self._free.find(free)
+            if at < 0:
+                return None
+            self._free[at : at + num_rows] = lent
+            self.num_lent += num_rows
+            return self.first_row + at
+
+    def give_back(self, first_row: int, num_rows: int) -> None:
+        free = b"\x01" * num_rows
+        with self._lock:
+            at = first_row - self.first_row
+            self._free[at : at + num_rows] = free
+            self.num_lent -= num_rows
 
 
 class ClientSlab:
     """A slab this client created, mapped by its server for as long as the session is open.
 
-    Not thread-safe: its ``RemoteRunner`` uses it under the ``AsyncLM``'s compute lock.
+    Its first ``batch_rows`` rows are scratch, the rest lent (see the module's docstring).
+    Not thread-safe, but for regions given back: its ``RemoteRunner`` uses it
+    under the ``AsyncLM``'s compute lock.
     """
 
     def __init__(
@@ -33,16 +79,17 @@ class ClientSlab:
         pool: urllib3.HTTPConnectionPool,
         answer: urllib3.BaseHTTPResponse,
         chunks: Generator[bytes, None, None],
+        batch_rows: int,
     ):
         self.slab = slab
         self.session = session
+        self.batch_rows = batch_rows
+        """Rows of its scratch part: the most one batch may have."""
+        self.loans = RowLoans(batch_rows, slab.capacity_rows - batch_rows)
+        self._lending_map = slab.lending_map()
         self._pool = pool
         self._answer = answer
         self._chunks = chunks  # the open answer's reader: dropping it would close the connection
-
-    @property
-    def capacity_rows(self) -> int:
-        return self.slab.capacity_rows
 
     @classmethod
     def offer(
@@ -50,10 +97,10 @@ class ClientSlab:
         url: str,
         pool: urllib3.HTTPConnectionPool,
         client: str,
-        capacity_rows: int,
+        batch_rows: int,
         vocab_size: int,
     ) -> ClientSlab:
-        """Create a slab of ``capacity_rows`` rows and have the server at ``url`` map it.
+        """Create a slab for batches of up to ``batch_rows`` rows and have the server at ``url`` map it.
 
         ``pool`` is a connection pool of its own (the session holds its one connection).
 
@@ -63,31 +110,58 @@ class ClientSlab:
             ServerUnavailableError, ServerRejectedError: as for any request.
         """
         try:
-            slab = Slab.create(capacity_rows, vocab_size)
-        except OSError as exc:
-            raise SlabRefused(f"no shared memory for {capacity_rows} rows here ({exc})") from None
+            slab = Slab.create(protocol.SLAB_BATCHES * batch_rows, vocab_size)
+        except OSError:
+            try:  # a small /dev/shm: scratch rows only, copied out
+                slab = Slab.create(batch_rows, vocab_size)
+            except OSError as exc:
+                raise SlabRefused(f"no shared memory for {batch_rows} rows here ({exc})") from None
+        capacity_rows = slab.capacity_rows
         try:
             body = protocol.encode_slab_offer(client, slab.name, slab.nonce, capacity_rows)
             answer = http.send(pool, url, "POST", "/v1/session", body, preload_content=False)
             session, chunks = _accepted_session(answer, url)
+            client_slab = cls(slab, session, pool, answer, chunks, batch_rows)
         except BaseException:
             slab.close()
             slab.unlink()
             pool.close()
             raise
         slab.unlink()  # the server holds its mapping: the memory lives as long as one of ours
-        return cls(slab, session, pool, answer, chunks)
+        return client_slab
 
-    def read(self, num_rows: int) -> torch.Tensor:
-        """The first ``num_rows`` rows the server wrote, as a fresh CPU tensor (one copy)."""
-        return self.slab.read(num_rows)
+    def region(self, num_rows: int) -> int:
+        """The first row for a batch of ``num_rows``: a region now lent, else 0 (the scratch part)."""
+        first_row = self.loans.lend(num_rows)
+        return 0 if first_row is None else first_row
+
+    def give_back(self, first_row: int, num_rows: int) -> None:
+        """Return a region :meth:`region` lent whose rows will not be read (the round trip failed)."""
+        if first_row:
+            self.loans.give_back(first_row, num_rows)
+
+    def read(self, first_row: int, num_rows: int) -> torch.Tensor:
+        """The ``num_rows`` rows the server wrote from ``first_row`` on, as a CPU tensor.
+
+        A lent region is returned as is (the tensor views the slab, and the
+        region comes back when it is gone); scratch rows are copied once.
+        """
+        if not first_row:
+            return self.slab.read(num_rows)
+        view = rows_view(self._lending_map, self.slab.vocab_size, num_rows, first_row)
+        weakref.finalize(view, self.loans.give_back, first_row, num_rows)
+        return torch.from_numpy(view)
 
     def close(self) -> None:
-        """End the session (the server unmaps the slab) and unmap ours. Idempotent."""
+        """End the session (the server unmaps the slab) and unmap ours. Idempotent.
+
+        Lent tensors stay valid: their views hold the second mapping until they go.
+        """
         self._chunks.close()  # closes the session's connection: the server sees it go
         self._answer.close()
         self._pool.close()
         self.slab.close()
+        self._lending_map = None  # type: ignore[assignment]  # freed with the last lent view
 
 
 def _accepted_session(

@@ -10,13 +10,14 @@ Endpoints (all under ``/v1``):
 
 * ``GET /v1/info``: the model's identity, vocabulary, tokenizer files, limits, adapters.
 * ``POST /v1/logprobs``: ``{"lengths": [int], "ids": bytes, "lora_names": [str | None],
-  "uncached": bool, "client": str, "session": str}`` -> rows ``[len(lengths), vocab]``: in
-  the answer's body, or (content type :data:`SLAB_CONTENT_TYPE`, body ``{"num_rows": int}``)
-  in the client's shared-memory slab of ``session``. ``client`` (optional) identifies the
-  client process across its requests (see :mod:`~genlm_backend.serve.gather`); ``session``
-  (optional) names the client's open slab session.
+  "uncached": bool, "client": str, "session": str, "slab_row": int}`` -> rows
+  ``[len(lengths), vocab]``: in the answer's body, or (content type
+  :data:`SLAB_CONTENT_TYPE`, body ``{"num_rows": int}``) in the client's shared-memory
+  slab of ``session``, from its row ``slab_row`` on (default 0). ``client`` (optional)
+  identifies the client process across its requests (see :mod:`~genlm_backend.serve.gather`);
+  ``session`` (optional) names the client's open slab session.
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
-  a client's offer of a shared-memory slab (see :mod:`~genlm_backend.serve.slab`) ->
+  a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
   ``{"accepted": bool, "session": str, "reason": str}``. An accepted session's answer
   stays open (chunked, nothing more is sent): the server keeps the slab mapped until
   the client closes it (or dies), or the server shuts down.
@@ -38,11 +39,14 @@ import torch
 
 from genlm_backend.batching.config import is_int
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TOKEN_HEADER = "authorization"
 MODEL_ID_HEADER = "x-genlm-model-id"
 ROWS_CONTENT_TYPE = "application/x-float32-le"
 SLAB_CONTENT_TYPE = "application/x-genlm-slab"
+SLAB_BATCHES = 3
+"""A slab holds at most this many batches of ``max_rows`` rows: one the client copies out of,
+two it lends to the tensors it returns (see :mod:`~genlm_backend.serve.client_slab`)."""
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 DEFAULT_PORT = 8765
 
@@ -96,6 +100,7 @@ class LogprobsRequest:
     uncached: bool
     client: str | None = None
     session: str | None = None
+    slab_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ def encode_logprobs_request(
     *,
     client: str | None = None,
     session: str | None = None,
+    slab_row: int = 0,
 ) -> bytes:
     """The body of a ``/v1/logprobs`` request (ids as ``int32`` little-endian bytes)."""
     lengths = [len(context) for context in contexts]
@@ -154,6 +160,8 @@ def encode_logprobs_request(
         fields["client"] = client
     if session is not None:
         fields["session"] = session
+    if slab_row:
+        fields["slab_row"] = slab_row
     return pack(fields)
 
 
@@ -185,6 +193,11 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
     client, session = fields.get("client"), fields.get("session")
     if not all(value is None or _is_short_str(value) for value in (client, session)):
         raise ValueError("malformed request body: 'client' and 'session' are short strings")
+    slab_row = fields.get("slab_row", 0)
+    if not (is_int(slab_row) and 0 <= slab_row < SLAB_BATCHES * limits.max_rows):
+        raise ValueError(
+            f"malformed request body: 'slab_row' must be an int in [0, {SLAB_BATCHES * limits.max_rows})"
+        )
     if sum(lengths) * 4 != len(ids):
         raise ValueError(
             f"malformed request body: lengths sum to {sum(lengths)} tokens, ids hold {len(ids) // 4}"
@@ -201,7 +214,7 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
     flat = np.frombuffer(ids, dtype="<i4").tolist()
     offsets = np.cumsum([0, *lengths]).tolist()
     contexts = [flat[start:end] for start, end in itertools.pairwise(offsets)]
-    return LogprobsRequest(contexts, lora_names, uncached, client, session)
+    return LogprobsRequest(contexts, lora_names, uncached, client, session, slab_row)
 
 
 def encode_slab_offer(client: str, name: str, nonce: bytes, capacity_rows: int) -> bytes:
@@ -227,9 +240,10 @@ def decode_slab_offer(body: bytes, limits: ServeLimits) -> SlabOffer:
         raise ValueError("malformed request body: 'client' and 'name' are short strings")
     if not (isinstance(capacity_rows, int) and is_int(capacity_rows) and capacity_rows >= 1):
         raise ValueError("malformed request body: 'capacity_rows' must be an int >= 1")
-    if capacity_rows > limits.max_rows:
+    if capacity_rows > SLAB_BATCHES * limits.max_rows:
         raise RequestTooLargeError(
-            f"a slab of {capacity_rows} rows; this server answers at most {limits.max_rows}"
+            f"a slab of {capacity_rows} rows; this server takes at most {SLAB_BATCHES} x "
+            f"{limits.max_rows} (its max_rows)"
         )
     return SlabOffer(client, name, nonce, capacity_rows)
 

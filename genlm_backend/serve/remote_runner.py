@@ -31,13 +31,15 @@ class RemoteRunner:
 
     Rows: on the server's machine, the server writes them into this client's
     shared-memory slab (:class:`~genlm_backend.serve.client_slab.ClientSlab`),
-    from which :meth:`run` copies them once into a fresh tensor; elsewhere (or
-    with ``shared_memory=False``) they travel in the answer's body. The slab is
-    offered at the first batch and replaced by one twice as large when a batch
-    needs more rows (at most the server's ``max_rows``): at most one per
-    client, freed when the client closes or dies. A slab is never reused after
-    a round trip that failed without an answer (the server may still write
-    into it): the next call offers a new one.
+    in a region lent to the tensor :meth:`run` returns (no copy here) or, when
+    the caller still holds every lent region, in its scratch part, from which
+    they are copied once; elsewhere (or with ``shared_memory=False``) they
+    travel in the answer's body. The slab is offered at the first batch and
+    replaced by one twice as large when a batch needs more rows (batches of
+    at most the server's ``max_rows``; the slab holds three batches): at most
+    one per client, freed when the client closes or dies and its lent tensors
+    are gone. A slab is never reused after a round trip that failed without
+    an answer (the server may still write into it): the next call offers a new one.
 
     Args:
         url: ``http://HOST:PORT`` of the server.
@@ -69,6 +71,8 @@ class RemoteRunner:
         self.vocab_size = 0
         self.max_rows = 1
         self.num_round_trips = 0
+        self.num_rows_lent = 0
+        """Rows returned as views of the slab (no copy on this side)."""
         self._num_tokens_sent = 0
         self._slab: ClientSlab | None = None
         self.shared_memory_refusal: str | None = None if shared_memory else "shared_memory=False"
@@ -87,6 +91,11 @@ class RemoteRunner:
     def slab_name(self) -> str | None:
         """The shared-memory segment this client's rows arrive in (``None``: none open)."""
         return None if self._slab is None else self._slab.slab.name
+
+    @property
+    def num_rows_on_loan(self) -> int:
+        """Rows of the open slab that returned tensors view now (their regions are not reused)."""
+        return 0 if self._slab is None else self._slab.loans.num_lent
 
     @property
     def stats(self) -> RunnerStats:
@@ -122,25 +131,39 @@ class RemoteRunner:
     def _logprobs(self, requests: Sequence[Request], uncached: bool) -> torch.Tensor:
         contexts = [request.context for request in requests]
         names = [None if r.adapter is None else r.adapter.name for r in requests]
-        slab = self._slab_for(len(requests))
+        num_rows = len(requests)
+        slab = self._slab_for(num_rows)
+        first_row = 0 if slab is None else slab.region(num_rows)
         body = protocol.encode_logprobs_request(
             contexts,
             names,
             uncached,
             client=self.client_id,
             session=None if slab is None else slab.session,
+            slab_row=first_row,
         )
         try:
             response = self._call("POST", "/v1/logprobs", body)
         except ServerUnavailableError:
             self._close_slab()  # the server may still write into it: never reuse it
             raise
+        except BaseException:
+            if slab is not None:
+                slab.give_back(first_row, num_rows)  # an error answer: nothing was written
+            raise
         self._num_tokens_sent += sum(map(len, contexts))
         if response.headers.get("content-type") == protocol.SLAB_CONTENT_TYPE and slab is not None:
-            return slab.read(_num_rows_in_slab(response, len(requests)))
+            try:
+                expected = _num_rows_in_slab(response, num_rows)
+            except ValueError:
+                slab.give_back(first_row, num_rows)
+                raise
+            if first_row:
+                self.num_rows_lent += num_rows
+            return slab.read(first_row, expected)
         if slab is not None:
             self._close_slab()  # the server no longer holds it (it restarted): offer anew next time
-        return protocol.decode_rows(response.data, len(requests), self.vocab_size)
+        return protocol.decode_rows(response.data, num_rows, self.vocab_size)
 
     def _slab_for(self, num_rows: int) -> ClientSlab | None:
         """This client's slab, offered (or replaced by a larger one) if needed; ``None``: use bodies.
@@ -150,12 +173,12 @@ class RemoteRunner:
         """
         if self.shared_memory_refusal is not None or num_rows > self.max_rows:
             return None
-        if self._slab is not None and self._slab.capacity_rows >= num_rows:
+        if self._slab is not None and self._slab.batch_rows >= num_rows:
             return self._slab
-        capacity_rows = min(self.max_rows, 1 << (num_rows - 1).bit_length())
+        batch_rows = min(self.max_rows, 1 << (num_rows - 1).bit_length())
         pool = self._pool(maxsize=1)
         try:
-            slab = ClientSlab.offer(self.url, pool, self.client_id, capacity_rows, self.vocab_size)
+            slab = ClientSlab.offer(self.url, pool, self.client_id, batch_rows, self.vocab_size)
         except SlabRefused as exc:
             self.shared_memory_refusal = str(exc)
             self._close_slab()

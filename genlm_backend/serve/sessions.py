@@ -59,17 +59,17 @@ class SlabSessions:
         """Whether ``client`` has a session open (it opens its next before closing its last)."""
         return client in self._clients.values()
 
-    def write(self, session: str | None, rows: Sequence[torch.Tensor]) -> bool:
-        """Put ``rows`` (float32 ``[V]`` each) into ``session``'s slab.
+    def write(self, session: str | None, rows: Sequence[torch.Tensor], first_row: int = 0) -> bool:
+        """Put ``rows`` (float32 ``[V]`` each) into ``session``'s slab, from row ``first_row`` on.
 
         Returns:
             ``False`` (nothing written) when there is no such session (it closed,
             or the server restarted) or the rows do not fit: they go in the body then.
         """
         slab = None if session is None else self._slabs.get(session)
-        if slab is None or len(rows) > slab.capacity_rows:
+        if slab is None or first_row + len(rows) > slab.capacity_rows:
             return False
-        slab.write(rows)
+        slab.write(rows, first_row)
         self.num_rows_written += len(rows)
         return True
 

@@ -17,14 +17,17 @@ or server leaves nothing in ``/dev/shm``. Pages are reserved at creation
 (``posix_fallocate``): a full ``/dev/shm`` fails there, with ``OSError``,
 rather than as a ``SIGBUS`` in the server's write.
 
-Views of the segment are numpy arrays made for one copy and dropped at once:
-a mapping cannot be closed while one is alive (``BufferError``), which is
-the guard against reading unmapped memory.
+Views of the segment through :class:`Slab` are numpy arrays made for one copy
+and dropped at once: a mapping cannot be closed while one is alive
+(``BufferError``), which is the guard against reading unmapped memory. Views
+that outlive a copy (rows a client lends to the tensors it returns) go
+through a mapping of their own, :meth:`Slab.lending_map`, held by them alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import secrets
 import sys
@@ -112,9 +115,9 @@ class Slab:
             raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
         return slab
 
-    def write(self, rows: Sequence[torch.Tensor]) -> None:
-        """Copy ``rows`` (float32 ``[vocab_size]`` each, any device, at most ``capacity_rows``) into the slab."""
-        target = self._view(len(rows))  # [n, V]
+    def write(self, rows: Sequence[torch.Tensor], first_row: int = 0) -> None:
+        """Copy ``rows`` (float32 ``[vocab_size]`` each, any device) into the slab from row ``first_row`` on."""
+        target = self._view(len(rows), first_row)  # [n, V]
         if all(row.device.type == "cpu" for row in rows):
             # numpy's copy runs in this thread: torch's would start its OpenMP team for
             # a memcpy, which waits for cores the model's threads hold (1.8 ms against
@@ -124,18 +127,30 @@ class Slab:
             torch.from_numpy(target).copy_(torch.stack(list(rows)))
         del target
 
-    def read(self, num_rows: int) -> torch.Tensor:
-        """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's first rows, copied once."""
-        return torch.from_numpy(self._view(num_rows).copy())
+    def read(self, num_rows: int, first_row: int = 0) -> torch.Tensor:
+        """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's rows from
+        ``first_row`` on, copied once."""
+        return torch.from_numpy(self._view(num_rows, first_row).copy())
 
-    def _view(self, num_rows: int) -> np.ndarray:
+    def lending_map(self) -> mmap.mmap:
+        """A second mapping of the slab, for views that may outlive this object.
+
+        Views of it hold it (and so the memory) until the last of them goes;
+        :meth:`close` does not wait for them.
+        """
         if self.is_closed:
             raise ValueError("this slab is closed")
-        if not 0 <= num_rows <= self.capacity_rows:
-            raise ValueError(f"{num_rows} rows do not fit a slab of {self.capacity_rows}")
-        count = num_rows * self.vocab_size
-        flat = np.frombuffer(_buffer(self._shm), np.float32, count=count, offset=HEADER_BYTES)
-        return flat.reshape(num_rows, self.vocab_size)
+        fd = self._shm._fd  # type: ignore[attr-defined]  # SharedMemory's descriptor on POSIX
+        return mmap.mmap(fd, self._shm.size)  # mmap keeps a descriptor of its own
+
+    def _view(self, num_rows: int, first_row: int = 0) -> np.ndarray:
+        if self.is_closed:
+            raise ValueError("this slab is closed")
+        if min(num_rows, first_row) < 0 or first_row + num_rows > self.capacity_rows:
+            raise ValueError(
+                f"{num_rows} rows from row {first_row} do not fit a slab of {self.capacity_rows}"
+            )
+        return rows_view(_buffer(self._shm), self.vocab_size, num_rows, first_row)
 
     def unlink(self) -> None:
         """Remove the segment's name (the client's, once the server mapped it); mappings stay valid.
@@ -150,6 +165,13 @@ class Slab:
         if not self.is_closed:
             self.is_closed = True
             self._shm.close()
+
+
+def rows_view(buffer, vocab_size: int, num_rows: int, first_row: int) -> np.ndarray:
+    """The ``[num_rows, vocab_size]`` float32 rows of a slab's ``buffer`` from row ``first_row`` on."""
+    offset = HEADER_BYTES + 4 * vocab_size * first_row
+    flat = np.frombuffer(buffer, np.float32, count=num_rows * vocab_size, offset=offset)
+    return flat.reshape(num_rows, vocab_size)
 
 
 def _buffer(shm: SharedMemory) -> memoryview:
