@@ -108,6 +108,7 @@ def test_plain_ids_of_a_long_context_take_the_one_pass_check():
     assert _plain_ids_in_range(context, VOCAB_SIZE) == tuple(context)
     assert _plain_ids_in_range(context + [True], VOCAB_SIZE) is None
     assert _plain_ids_in_range(context + [VOCAB_SIZE], VOCAB_SIZE) is None
+    assert _plain_ids_in_range([-1, *context], VOCAB_SIZE) is None
 
 
 @given(st.lists(_ELEMENTS, min_size=1, max_size=6), _ELEMENTS, st.sampled_from([list, tuple]))
