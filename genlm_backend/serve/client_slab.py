@@ -13,7 +13,8 @@ region is lent until that tensor and every view of it are gone (the
 client's output cache keeps copies of its own), and only then named in a
 request again. When no region is free (the caller keeps many results), the
 rows go into the scratch part and are copied out, as from a slab without a
-lent part (one made where ``/dev/shm`` has no room for three batches). Lent views hold a second mapping of the slab
+lent part (one made where ``/dev/shm`` has no room for three batches). Lent
+views hold a second mapping of the slab
 (:meth:`~genlm_backend.serve.slab.Slab.lending_map`), so the memory stays
 valid after the slab is closed or replaced, until the last view goes.
 """
