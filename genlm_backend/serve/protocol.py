@@ -17,7 +17,8 @@ Endpoints (all under ``/v1``):
   identifies the client process across its requests (see :mod:`~genlm_backend.serve.gather`);
   ``session`` (optional) names the client's open slab session.
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
-  a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
+  a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times
+  ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
   ``{"accepted": bool, "session": str, "reason": str}``. An accepted session's answer
   stays open (chunked, nothing more is sent): the server keeps the slab mapped until
   the client closes it (or dies), or the server shuts down.
