@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from genlm_backend import MockAsyncLM
-from genlm_backend.errors import ServerUnavailableError
+from genlm_backend.errors import RemoteModelError, ServerUnavailableError
 from genlm_backend.serve import RemoteLM
 from genlm_backend.serve.slab import Slab, slab_bytes
 from tests.serve_gated_server import BYTE_VOCAB
@@ -122,6 +122,16 @@ async def test_batch_rows_are_lent_without_a_copy_until_their_tensors_go(server,
 def nothing_on_loan(lm: RemoteLM) -> bool:
     gc.collect()
     return lm.runner.num_rows_on_loan == 0
+
+
+def test_a_batch_the_server_fails_gives_its_region_back(server):
+    with RemoteLM(server.url, output_cache_bytes=0) as lm:
+        lm.batch_next_token_logprobs_sync(contexts(12, 2))  # opens the slab
+        wait_until(lambda: nothing_on_loan(lm))
+        with pytest.raises(RemoteModelError, match="the model failed this batch"):
+            lm.batch_next_token_logprobs_sync([[12, 255], [12, 3]])  # token 255 fails it
+        assert lm.runner.slab_name is not None  # an answer came: the slab stays
+        assert lm.runner.num_rows_on_loan == 0
 
 
 def test_lent_rows_outlive_their_client_and_then_free_the_slab(server, reference):
