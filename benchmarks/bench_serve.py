@@ -26,8 +26,17 @@ sides' bookkeeping), through the client's shared-memory slab and in the
 answer's body (``shared_memory=False``), against the same batch from an
 in-process output cache, in turns.
 
+With ``--random-weights CONFIG_DIR`` the model processes (the server and the
+in-process one) build that architecture with seeded random weights on
+``--device`` in ``--dtype`` instead of loading SmolLM2, and the shared prompt
+is ``--prompt-tokens`` seeded random token ids (the GPU leg: a 1B shape on
+CUDA behind a long prompt). Each worker first samples a few warm-up steps from
+another prompt, so captured steps and first-use costs stay out of the timing.
+
     python benchmarks/bench_serve.py [--particles 16] [--steps 16] [--runs 3]
         [--baseline-tree PATH] [--setups ...] [--plot benchmarks/serve.png]
+    python benchmarks/bench_serve.py --random-weights benchmarks/gpu/configs/llama3_2_1b \
+        --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 --setups in-process served
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,8 +78,6 @@ def worker(args: argparse.Namespace) -> None:
     """One process: load (or connect), say "ready", wait for "go", sample, print a JSON result."""
     import torch
 
-    from genlm_backend import load_model_by_name
-
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -78,9 +86,12 @@ def worker(args: argparse.Namespace) -> None:
 
         llm = RemoteLM(args.url)
     else:
-        llm = load_model_by_name(backend="hf")
-    prompt = llm.tokenizer.encode(PROMPT)[:25]
+        llm = local_lm(args)
+    prompt = shared_prompt(llm, args)
     llm.next_token_logprobs_sync(prompt)  # warm-up (the prompt's keys/values are then cached)
+    if args.random_weights:  # first-use costs (captured steps) out of the timing
+        warm_prompt = [(token + 1) % llm.vocab_size for token in prompt[:64]]
+        asyncio.run(llm.batch_sample([warm_prompt] * args.particles, 4, [], seed=args.seed))
     load_s = time.perf_counter() - started
     print("ready", flush=True)
     sys.stdin.readline()
@@ -96,6 +107,51 @@ def worker(args: argparse.Namespace) -> None:
     llm.close()
 
 
+def local_lm(args: argparse.Namespace):
+    """The model of this process: SmolLM2 on the hf backend, or ``--random-weights`` on ``--device``."""
+    if not args.random_weights:
+        from genlm_backend import load_model_by_name
+
+        return load_model_by_name(backend="hf")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_long_prompt import load_model
+
+    from genlm_backend.llm.hf import AsyncTransformer
+
+    model = load_model(args)  # seeded: every process builds the same weights
+    vocab = [b"<%d>" % i for i in range(model.config.get_text_config().vocab_size)]
+    return AsyncTransformer(model, None, byte_vocab=vocab)
+
+
+def shared_prompt(llm, args: argparse.Namespace) -> list[int]:
+    """The particles' shared prompt: 25 tokens of ``PROMPT``, or seeded random ids."""
+    if not args.random_weights:
+        return llm.tokenizer.encode(PROMPT)[:25]
+    import random
+
+    draw = random.Random(0)
+    return [draw.randrange(min(llm.vocab_size, 32000)) for _ in range(args.prompt_tokens)]
+
+
+def serve_model(args: argparse.Namespace) -> None:
+    """``genlm-backend serve`` for a ``--random-weights`` model (the CLI loads named models only)."""
+    from genlm_backend.serve.server import main_log, serve
+
+    lm = local_lm(args)
+    try:
+        serve(lm, port=0, log=main_log("genlm-backend serve"))
+    finally:
+        lm.close()
+
+
+def model_argv(args: argparse.Namespace) -> list[str]:
+    """The options a model process needs to build the same model as this one."""
+    if not args.random_weights:
+        return []
+    argv = ["--random-weights", str(args.random_weights.resolve()), "--device", args.device]
+    return argv + ["--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens)]
+
+
 def start(argv: list[str], tree: Path = REPO) -> subprocess.Popen:
     """``python ARGV`` running the code of checkout ``tree``."""
     return subprocess.Popen(
@@ -104,14 +160,16 @@ def start(argv: list[str], tree: Path = REPO) -> subprocess.Popen:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**_environ(), "PYTHONPATH": str(tree)},
+        env=_environ(tree),
     )
 
 
-def _environ() -> dict[str, str]:
+def _environ(tree: Path) -> dict[str, str]:
+    """This environment with ``tree`` first on ``PYTHONPATH`` (what was there stays after it)."""
     import os
 
-    return dict(os.environ)
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def wait_line(process: subprocess.Popen, prefix: str) -> str:
@@ -154,42 +212,40 @@ def worker_argv(
     url: str | None = None,
     threads: int | None = None,
     tree: Path = REPO,
+    model: Sequence[str] = (),
 ) -> list[str]:
     script = str(tree / "benchmarks" / "bench_serve.py")
     argv = [script, "--role", "worker", "--particles", str(particles), "--steps", str(steps)]
     argv += ["--seed", str(seed)] + (["--url", url] if url else [])
-    return argv + (["--threads", str(threads)] if threads else [])
+    return argv + (["--threads", str(threads)] if threads else []) + list(model)
 
 
 # ---------------------------------------------------------------- round trip
 
 
-def round_trips(
-    urls: list[str], repeats: int, threads: int
-) -> dict[int, tuple[float, float, float]]:
+def round_trips(urls: list[str], args: argparse.Namespace) -> dict[int, tuple[float, float, float]]:
     """rows -> (served through shared memory, served in answer bodies, in-process) ms per batch.
 
     One batch of rows held in an output cache: the server's for the served
     clients (theirs is off; each its own server, ``urls``), the model's own
-    in-process. All in this process, with ``threads`` torch threads (no model
-    work runs).
+    in-process. All in this process, with ``--client-threads`` torch threads (no
+    model work runs).
     """
     import torch
 
-    from genlm_backend import load_model_by_name
     from genlm_backend.serve import RemoteLM
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.client_threads)
     shared = RemoteLM(urls[0], output_cache_bytes=0)
     bodies = RemoteLM(urls[1], output_cache_bytes=0, shared_memory=False)
-    local = load_model_by_name(backend="hf")
-    prompt = shared.tokenizer.encode(PROMPT)[:25]
+    local = local_lm(args)
+    prompt = shared_prompt(local, args)
     figures = {}
     for rows in (1, 16, 64):
         contexts = [prompt + [token] for token in range(rows)]
         for lm in (local, shared, bodies):
             lm.batch_next_token_logprobs_sync(contexts)  # now in the output caches
-        times = asyncio.run(interleaved((shared, bodies, local), contexts, repeats))
+        times = asyncio.run(interleaved((shared, bodies, local), contexts, args.repeats))
         figures[rows] = tuple(1e3 * statistics.median(t) for t in times)
     if shared.runner.slab_name is None:
         raise RuntimeError(f"no shared memory: {shared.runner.shared_memory_refusal}")
@@ -220,8 +276,12 @@ SETUPS = {
 }
 
 
-def start_server(tree: Path = REPO) -> tuple[subprocess.Popen, str]:
-    server = start(["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"], tree)
+def start_server(tree: Path = REPO, model: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    if model:
+        argv = [str(tree / "benchmarks" / "bench_serve.py"), "--role", "server", *model]
+    else:
+        argv = ["-m", "genlm_backend", "serve", "--backend", "hf", "--port", "0"]
+    server = start(argv, tree)
     return server, wait_line(server, "genlm-backend serve: listening on ")
 
 
@@ -245,12 +305,14 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
     """One run of ``setup`` in fresh processes: wall seconds, summed peak RSS, load seconds."""
     p, s = args.particles, args.steps
     extra_rss, batches = 0.0, None
+    model = model_argv(args)
     if setup in ("served", "served-before"):
         tree = REPO if setup == "served" else args.baseline_tree
-        server, url = start_server(tree)
+        server, url = start_server(tree, model)
         try:
             workers = [
-                worker_argv(p, s, i, url, args.client_threads, tree) for i in range(NUM_PROCESSES)
+                worker_argv(p, s, i, url, args.client_threads, tree, model)
+                for i in range(NUM_PROCESSES)
             ]
             wall, cpu, results = run_group(workers, tree, server.pid)
             extra_rss = peak_rss_mb(server.pid)
@@ -258,9 +320,10 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
         finally:
             stop_server(server)
     elif setup == "in-process":
-        wall, cpu, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0)])
+        wall, cpu, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0, model=model)])
     else:
-        wall, cpu, results = run_group([worker_argv(p, s, i) for i in range(NUM_PROCESSES)])
+        workers = [worker_argv(p, s, i, model=model) for i in range(NUM_PROCESSES)]
+        wall, cpu, results = run_group(workers)
     return {
         "server_batches": batches,
         "wall_s": wall,
@@ -272,7 +335,7 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=("driver", "worker"), default="driver")
+    parser.add_argument("--role", choices=("driver", "worker", "server"), default="driver")
     parser.add_argument("--particles", type=int, default=16, help="per client process")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -300,10 +363,19 @@ def main() -> None:
         help="which setups to run (served-before needs --baseline-tree)",
     )
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--random-weights", type=Path, default=None, help="config folder: random weights"
+    )
+    parser.add_argument("--device", default="cpu", help="of the model processes")
+    parser.add_argument("--dtype", default="float32", help="with --random-weights")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="with --random-weights")
     args = parser.parse_args()
-    if args.role == "worker":
-        worker(args)
+    args.model = None  # bench_long_prompt.load_model's argument
+    if args.role != "driver":
+        (worker if args.role == "worker" else serve_model)(args)
         return
+    if args.random_weights and args.baseline_tree:
+        parser.error("--baseline-tree runs SmolLM2 only: leave out --random-weights")
     setups = [s for s in args.setups if s != "served-before" or args.baseline_tree is not None]
     setups = setups if args.runs > 0 else []  # --runs 0: the round trips only
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
@@ -313,9 +385,9 @@ def main() -> None:
             print(f"run {run + 1}: {setup}: {runs[setup][-1]['wall_s']:.2f} s", file=sys.stderr)
     # A server per served client: two clients taking turns on one server would each
     # wait for the other (the server's step gather expects a client it answered back).
-    servers = [start_server(), start_server()]
+    servers = [start_server(model=model_argv(args)), start_server(model=model_argv(args))]
     try:
-        trips = round_trips([url for _, url in servers], args.repeats, args.client_threads)
+        trips = round_trips([url for _, url in servers], args)
     finally:
         for server, _ in servers:
             stop_server(server)
@@ -339,6 +411,15 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
         plot(rows, trips, total, args.plot)
 
 
+def model_name(args: argparse.Namespace) -> str:
+    if not args.random_weights:
+        return "SmolLM2-135M fp32, CPU, a 25-token prompt"
+    return (
+        f"{args.random_weights.name} shape (random weights) {args.dtype}, {args.device}, "
+        f"a {args.prompt_tokens}-token prompt"
+    )
+
+
 def report_runs(runs: dict[str, list[dict]], total: int, args: argparse.Namespace) -> list:
     """Print the setups' table; its rows for the plot.
 
@@ -349,7 +430,7 @@ def report_runs(runs: dict[str, list[dict]], total: int, args: argparse.Namespac
     p, s = args.particles, args.steps
     print(
         f"\n{NUM_PROCESSES} x {p} particles x {s} steps ({total} tokens sampled); "
-        f"SmolLM2-135M fp32, CPU; median of {args.runs} interleaved runs"
+        f"{model_name(args)}; median of {args.runs} interleaved runs"
     )
     print(
         "| setup | seconds (median) | tokens/s | vs in-process (paired runs) | all runs (s) "
