@@ -101,7 +101,13 @@ def graph_step_seconds(model, args, particles: int, steps: int) -> tuple[float, 
         model(ids, past_key_values=cache, use_cache=True)  # each row's own past
         step_ids = torch.zeros(particles, 1, dtype=torch.long, device=device)
         position = torch.full((particles, 1), OWN_SLOTS, device=device)
-        cache_position = torch.tensor([OWN_SLOTS], device=device)
+        cache_position = torch.tensor([OWN_SLOTS], device=device)  # transformers < 5.23 reads it
+        # transformers >= 5.23: each layer writes at its own device counter, which a step
+        # advances; one tensor holds them all, so one fill sets the write slot for a replay.
+        lengths = torch.full((len(cache.layers),), OWN_SLOTS, device=device)
+        for index, layer in enumerate(cache.layers):
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length = lengths[index]
 
         def step():
             logits = model(
@@ -127,12 +133,14 @@ def graph_step_seconds(model, args, particles: int, steps: int) -> tuple[float, 
                 how, replay = "one CUDA graph", graph.replay
             except Exception as exc:  # noqa: BLE001 - reported: G then runs eagerly
                 how = f"eager (capture failed: {type(exc).__name__}: {str(exc)[:80]})"
+        lengths.fill_(OWN_SLOTS)
         replay()
         synchronize(device)
         start = time.perf_counter()
         for index in range(steps):
             position.fill_(OWN_SLOTS + index)  # device data: a replay reads it
             cache_position.fill_(OWN_SLOTS + index)
+            lengths.fill_(OWN_SLOTS + index)
             replay()
         synchronize(device)
     return (time.perf_counter() - start) / steps, how

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 
 import pytest
@@ -395,6 +396,22 @@ def test_each_adapter_gets_its_own_graph_and_unloading_drops_them(graph_device, 
     assert runner.graphs.stats.num_graphs == 0
     step(runner, particles[None])
     assert runner.graphs.stats.num_captures == 3
+
+
+@pytest.mark.parametrize("graph_device", [pytest.param("cuda", marks=NEEDS_CUDA)], indirect=True)
+def test_steps_are_captured_after_every_graph_of_the_process_is_gone(graph_device):
+    """torch releases a graph pool with the last graph captured into it: later runners still capture."""
+    rng = random.Random(3)
+    for _ in range(3):
+        runner = make_runner(graph_device)
+        particles = extend(rng, [prompt_of(rng, 20)] * 3)
+        for _ in range(2):
+            step(runner, particles)
+            particles = extend(rng, particles)
+        assert_steps_were_replayed(runner)
+        runner.graphs.clear()
+        del runner
+        gc.collect()  # every graph of this process is gone now
 
 
 async def test_cancelled_requests_leave_the_captured_steps_of_the_others_exact(tiny_llama):

@@ -55,5 +55,8 @@ part step_smollm2 45 python3 benchmarks/bench_gpu_step.py --device cuda --dtype 
     --random-weights $CONFIGS/smollm2_135m --workloads 32x16@64
 # Where a step of ours goes (event loop, runner, forward), 8B shape.
 part profile_8b 60 python3 benchmarks/profile_long_prompt.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/llama3_8b --workload 64x16@4096 --rounds 1
+    --random-weights $CONFIGS/llama3_8b --workload 64x16@4096 --rounds 2
+# ours against the floor in turns, one process (bench_long_prompt's --paired), 8B shape.
+part paired_8b 90 python3 benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 \
+    --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
 echo "== all parts done after $((SECONDS - START)) s"

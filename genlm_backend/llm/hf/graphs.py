@@ -59,28 +59,46 @@ class GraphCapture(Protocol):
 
 
 class CudaGraphs:
-    """Captures steps as ``torch.cuda.CUDAGraph``\\ s sharing one memory pool."""
+    """Captures steps on one CUDA device as ``torch.cuda.CUDAGraph``\\ s sharing one memory pool.
 
-    def __init__(self):
-        self._pool = None
+    The pool is a ``torch.cuda.MemPool`` this object holds for as long as it
+    lives (the process: one per device). A pool named only by a
+    ``graph_pool_handle`` is released once the last graph captured into it is
+    destroyed, and every later capture into that handle fails inside torch's
+    allocator (``use_count > 0``): a process whose graphs were all dropped
+    (evictions, adapter changes, closed runners) could then capture nothing.
+    """
+
+    def __init__(self, index: int | None):
+        self._index = index
+        self._pool: tuple[int, int] | None = None
+        self._pool_owner = None
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up: lazy initialisations (libraries, workspaces) happen outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = step()
+        with torch.cuda.device(self._index):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # warm-up: lazy initialisations (libraries, workspaces) happen outside the graph
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph, pool=self._shared_pool()):
+                output = step()
         return graph.replay, output
+
+    def _shared_pool(self) -> tuple[int, int]:
+        if self._pool is None:
+            if hasattr(torch.cuda, "MemPool"):
+                self._pool_owner = torch.cuda.MemPool()
+                self._pool = self._pool_owner.id
+            else:  # torch before MemPool: a pool per graph, released with it
+                return torch.cuda.graph_pool_handle()
+        return self._pool
 
 
 @functools.cache
 def _cuda_graphs(index: int | None) -> CudaGraphs:
-    return CudaGraphs()
+    return CudaGraphs(index)
 
 
 def graph_capture(device: torch.device) -> GraphCapture | None:
