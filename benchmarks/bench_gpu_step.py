@@ -12,9 +12,10 @@ T-token prompt take S one-token steps, every row distinct. Per step:
   over a ``StaticCache`` of their own tokens, captured as one CUDA graph on
   CUDA (eager elsewhere, or where capture fails: then said so), plus the
   prompt's attention once per layer for all rows (grouped queries against one
-  copy, ``bench_long_prompt.prompt_attention_seconds``).
+  copy, ``bench_long_prompt.prompt_attention_seconds``, also one CUDA graph on CUDA).
 * **ours-runner**: ``HFRunner.logprobs`` called directly, one batch per step.
-* **ours**: ``await next_token_logprobs``, one per particle per step.
+* **ours**: ``await next_token_logprobs``, one per particle per step; and
+  the same with ``compute_in_loop=True`` (batches in the event loop's thread).
 
 Also: the captured steps' count and the first step's time (capture included),
 and on CUDA the GPU-busy fraction of ours's steps (kernel time from
@@ -175,12 +176,15 @@ def runner_steps(model, args, particles, steps, prompt, own, warm_up) -> dict:
     }
 
 
-def ours_steps(model, args, particles, steps, prompt, own, warm_up) -> dict:
-    """ours: awaited requests; on CUDA also the GPU-busy fraction of a few steps."""
+def ours_steps(model, args, particles, steps, prompt, own, warm_up, in_loop=False) -> dict:
+    """ours: awaited requests; on CUDA also the GPU-busy fraction of a few steps.
+
+    ``in_loop``: batches run in the event loop's thread (``compute_in_loop=True``).
+    """
     from genlm_backend.llm.hf import AsyncTransformer
 
     vocab = [b"<%d>" % i for i in range(model.config.get_text_config().vocab_size)]
-    llm = AsyncTransformer(model, None, byte_vocab=vocab)
+    llm = AsyncTransformer(model, None, byte_vocab=vocab, compute_in_loop=in_loop)
     warm_prompt, warm_own = warm_up
 
     async def step(contexts) -> None:
@@ -230,16 +234,21 @@ def measure(model, args, workload: str) -> dict:
     parts = step_bytes(model, particles, steps, prompt_tokens)
     bandwidth = copy_bandwidth(args.device)
     graph_s, how = graph_step_seconds(model, args, particles, steps)
-    attention_s = prompt_attention_seconds(model, args, particles, steps, prompt_tokens) / steps
+    attention_s = (
+        prompt_attention_seconds(model, args, particles, steps, prompt_tokens, captured=True)
+        / steps
+    )
     return {
         "workload": workload,
         "bytes": parts,
         "bandwidth": bandwidth,
         "R": sum(parts.values()) / bandwidth,
         "G": graph_s + attention_s,
+        "G_parts": (graph_s, attention_s),
         "G_how": how,
         "runner": runner_steps(model, args, particles, steps, prompt, own, warm_up),
         "ours": ours_steps(model, args, particles, steps, prompt, own, warm_up),
+        "ours_in_loop": ours_steps(model, args, particles, steps, prompt, own, warm_up, True),
     }
 
 
@@ -250,7 +259,9 @@ def report(result: dict) -> None:
     gigabytes = {k: round(v / 1e9, 3) for k, v in result["bytes"].items()}
     print(
         f"\n{result['workload']}: a step reads {gigabytes} GB; copy bandwidth "
-        f"{result['bandwidth'] / 1e9:.0f} GB/s; G ran as {result['G_how']}"
+        f"{result['bandwidth'] / 1e9:.0f} GB/s; G ran as {result['G_how']}: "
+        f"{result['G_parts'][0] * ms:.2f} ms the model's step over its own tokens, "
+        f"{result['G_parts'][1] * ms:.2f} ms the prompt's attention"
     )
     print("| per step | ms | vs R |")
     print("|---|---|---|")
@@ -259,6 +270,7 @@ def report(result: dict) -> None:
         ("G (engine step)", result["G"]),
         ("ours-runner", runner["step_s"]),
         ("ours", ours["step_s"]),
+        ("ours, batches in the loop's thread", result["ours_in_loop"]["step_s"]),
     ):
         print(f"| {name} | {seconds * ms:.2f} | {seconds / limit:.2f}x |")
     print(

@@ -257,11 +257,15 @@ def ncopies_steps(model, args, particles, steps, prompt, own) -> tuple[float, fl
     return prefilled - start, end - prefilled, held / 2**20
 
 
-def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> float:
+def prompt_attention_seconds(
+    model, args, particles, steps, prompt_tokens, captured: bool = False
+) -> float:
     """The prompt's attention once per layer and step: every row's grouped queries against one copy.
 
     Each layer reads its own copy of the prompt's keys/values, as in the
-    model: the prompt's keys/values stream from memory once per step.
+    model: the prompt's keys/values stream from memory once per step. With
+    ``captured`` on CUDA, a step's attention over all layers runs as one CUDA
+    graph (an engine's step launches it inside its graph, not layer by layer).
     """
     import torch
 
@@ -284,13 +288,22 @@ def prompt_attention_seconds(model, args, particles, steps, prompt_tokens) -> fl
         for _ in range(config.num_hidden_layers)
     ]
     scale = head_dim**-0.5
-    for keys, values in layers:  # warm-up
-        prefix_attention_with_lse(query, keys, values, scale)
+
+    def one_step() -> None:
+        for keys, values in layers:
+            prefix_attention_with_lse(query, keys, values, scale)
+
+    one_step()  # warm-up
+    if captured and device.startswith("cuda"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_step()
+        one_step = graph.replay
+        one_step()
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        for keys, values in layers:
-            prefix_attention_with_lse(query, keys, values, scale)
+        one_step()
     synchronize(device)
     return time.perf_counter() - start
 

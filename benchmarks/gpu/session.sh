@@ -7,6 +7,7 @@
 # Each part has its own time limit and its own log under $OUT, so a part that fails or
 # runs over leaves the others' figures; no part runs past DEADLINE seconds from the
 # start (a part's limit shrinks to what is left; one with under 20 s left is skipped).
+# PARTS="step_8b step_1b" runs only the parts named.
 # Parts run in the order of what matters most.
 # Shapes: benchmarks/gpu/configs (random weights, architectures of the real models).
 set -uo pipefail
@@ -23,6 +24,7 @@ DEADLINE=${DEADLINE:-560}
 part() {  # part NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, report its end
     local name=$1 limit=$2
     shift 2
+    [[ -z ${PARTS:-} || " $PARTS " == *" $name "* ]] || return 0
     local left=$((DEADLINE - (SECONDS - START)))
     if ((left < 20)); then
         echo "== $name: skipped, $left s left of $DEADLINE"
@@ -50,7 +52,7 @@ part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloa
 # serve's GPU leg: 4 clients x 16 particles against one process of 64, 1B shape.
 part serve_1b 150 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
     --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
-    --setups in-process served --runs 2 --repeats 10
+    --setups in-process served --runs ${SERVE_RUNS:-2} --repeats 10
 part step_smollm2 45 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
     --random-weights $CONFIGS/smollm2_135m --workloads 32x16@64
 # Where a step of ours goes (event loop, runner, forward), 8B shape.
