@@ -71,8 +71,8 @@ class CudaGraphs:
 
     def __init__(self, index: int | None):
         self._index = index
-        self._pool: tuple[int, int] | None = None
-        self._pool_owner = None
+        self._pool: Any = None  # a pool handle: torch types it apart from a plain tuple
+        self._pool_owner: Any = None  # the torch.cuda.MemPool behind _pool
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
@@ -86,13 +86,12 @@ class CudaGraphs:
                 output = step()
         return graph.replay, output
 
-    def _shared_pool(self) -> tuple[int, int]:
+    def _shared_pool(self) -> Any:
         if self._pool is None:
-            if hasattr(torch.cuda, "MemPool"):
-                self._pool_owner = torch.cuda.MemPool()
-                self._pool = self._pool_owner.id
-            else:  # torch before MemPool: a pool per graph, released with it
+            if not hasattr(torch.cuda, "MemPool"):  # torch before MemPool: a pool per graph
                 return torch.cuda.graph_pool_handle()
+            self._pool_owner = torch.cuda.MemPool()
+            self._pool = self._pool_owner.id
         return self._pool
 
 
