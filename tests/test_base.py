@@ -516,6 +516,20 @@ async def test_stats_of_identical_concurrent_requests(llm):
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sample_token_on_a_cuda_row_draws_what_the_cpu_draws():
+    from genlm_backend.llm.base import sample_token
+
+    logits = torch.log_softmax(
+        3 * torch.randn(128_256, generator=torch.Generator().manual_seed(1)), 0
+    )
+    on_cpu, on_cuda = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    cpu_draws = [sample_token(logits, on_cpu) for _ in range(300)]
+    cuda_draws = [sample_token(logits.cuda(), on_cuda) for _ in range(300)]
+    assert cuda_draws == cpu_draws
+
+
 def test_sample_token_follows_the_distribution_and_skips_impossible_tokens():
     from genlm_backend.llm.base import sample_token
 

@@ -402,7 +402,8 @@ class AsyncLM:
 
         Stops after ``max_tokens`` tokens or at the first token in
         ``eos_token_ids`` (which is not returned). With a ``seed`` the result
-        is reproducible; sampling happens on the CPU.
+        is reproducible; each token is drawn where its row is (the CPU or a CUDA
+        device) with a private CPU generator.
 
         Raises:
             ValueError: ``max_tokens`` < 0, ``temperature`` <= 0 or unknown ``lora_name``.
