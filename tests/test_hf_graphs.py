@@ -414,6 +414,57 @@ def test_steps_are_captured_after_every_graph_of_the_process_is_gone(graph_devic
         gc.collect()  # every graph of this process is gone now
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_garbage_collection_during_a_capture_leaves_it_valid():
+    """Unreachable runners whose graphs a collection inside a capture would destroy."""
+    rng = random.Random(5)
+    for _ in range(2):
+        old = make_runner("cuda")
+        random_smc_trace(old, rng, num_steps=4)
+        assert_steps_were_replayed(old)
+        cycle: list = [old]
+        cycle.append(cycle)  # freed only by the cyclic collector
+        del old, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at almost every allocation
+    try:
+        runner = make_runner("cuda", "build_tiny_gpt2")
+        random_smc_trace(runner, rng, num_steps=12)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert_steps_were_replayed(runner)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_another_thread_synchronising_with_the_device_during_captures_leaves_them_valid():
+    """As the event loop's thread does when it draws tokens from CUDA rows while the worker captures."""
+    import threading
+
+    started, stop = threading.Event(), threading.Event()
+    num_syncs = 0
+
+    def synchronise():
+        nonlocal num_syncs
+        x = torch.ones(1024, device="cuda")
+        while not stop.is_set():
+            num_syncs += int((x * 2).sum().item() == 2048)  # a kernel, then a copy to the host
+            started.set()
+
+    thread = threading.Thread(target=synchronise)
+    thread.start()
+    try:
+        started.wait()
+        runner = make_runner("cuda")
+        random_smc_trace(runner, random.Random(6), num_steps=12)
+    finally:
+        stop.set()
+        thread.join()
+    assert_steps_were_replayed(runner)
+    assert num_syncs > 0
+
+
 async def test_cancelled_requests_leave_the_captured_steps_of_the_others_exact(tiny_llama):
     from genlm_backend.llm.hf import AsyncTransformer
     from tests.hf_reference import assert_matches_reference

@@ -26,11 +26,14 @@ shared levels are unsupported) runs eagerly (:class:`~genlm_backend.llm.hf.runne
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
+import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,23 +70,41 @@ class CudaGraphs:
     destroyed, and every later capture into that handle fails inside torch's
     allocator (``use_count > 0``): a process whose graphs were all dropped
     (evictions, adapter changes, closed runners) could then capture nothing.
+
+    A capture must not see work it did not ask for. Other threads' CUDA calls
+    (the event loop's thread draws tokens from CUDA rows while the worker
+    captures) are allowed by the ``thread_local`` capture mode; in the default
+    ``global`` mode a host synchronisation in any thread invalidates the
+    capture. Python's cyclic garbage collector is paused during a capture: a
+    collection there can destroy an unreachable runner's graphs, whose CUDA
+    calls would invalidate the capture from its own thread. One capture at a
+    time in the process (torch's rule), across devices and runners. A capture
+    that fails leaves torch's allocator still recording into its pool, which
+    then refuses every later capture: the pool is set aside (kept, never
+    freed) and the next capture gets a new one.
     """
 
     def __init__(self, index: int | None):
         self._index = index
         self._pool: Any = None  # a pool handle: torch types it apart from a plain tuple
         self._pool_owner: Any = None  # the torch.cuda.MemPool behind _pool
+        self._abandoned: list[Any] = []  # pools a failed capture left recording
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self._index):
+        with _CAPTURE_LOCK, torch.cuda.device(self._index), _collector_paused():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 step()  # warm-up: lazy initialisations (libraries, workspaces) happen outside the graph
             torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph, pool=self._shared_pool()):
-                output = step()
+            pool = self._shared_pool()
+            try:
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    output = step()
+            except BaseException:
+                self._abandon_pool()
+                raise
         return graph.replay, output
 
     def _shared_pool(self) -> Any:
@@ -93,6 +114,26 @@ class CudaGraphs:
             self._pool_owner = torch.cuda.MemPool()
             self._pool = self._pool_owner.id
         return self._pool
+
+    def _abandon_pool(self) -> None:
+        if self._pool_owner is not None:
+            self._abandoned.append(self._pool_owner)
+        self._pool = self._pool_owner = None
+
+
+_CAPTURE_LOCK = threading.Lock()
+"""Held by every capture of the process: torch allows one at a time."""
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @functools.cache
