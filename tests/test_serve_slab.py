@@ -159,3 +159,23 @@ def test_a_closed_slab_refuses_reads_and_writes():
         slab.read(1)
     with pytest.raises(ValueError, match="closed"):
         slab.write(torch.zeros(1, VOCAB))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rows_go_into_a_page_locked_slab_exactly():
+    """The server's side page-locks its mapping before its first CUDA rows, and unlocks it on close."""
+    client = Slab.create(8, VOCAB)
+    server = Slab.attach(client.name, client.nonce, 8, VOCAB)
+    try:
+        rows = rows_of(3, 6, VOCAB)
+        server.write(list(rows.cuda()), first_row=2)
+        assert server.pinned_address is not None
+        assert torch.equal(client.read(6, first_row=2), rows)
+        server.write(list(rows[:2].cuda()))  # locked once, still exact
+        assert torch.equal(client.read(2), rows[:2])
+    finally:
+        server.close()
+        assert server.pinned_address is None
+        client.close()
+        client.unlink()

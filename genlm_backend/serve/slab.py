@@ -67,6 +67,9 @@ class Slab:
         self.vocab_size = vocab_size
         self.nonce = nonce
         self.is_closed = False
+        self.pinned_address: int | None = None
+        """Where the mapping is page-locked for CUDA copies (``None``: it is not)."""
+        self._pin_tried = False
 
     @property
     def name(self) -> str:
@@ -124,8 +127,26 @@ class Slab:
             # 0.5 ms for 64 rows of 49,152 on a 2-vCPU machine).
             np.stack([row.detach().numpy() for row in rows], out=target)
         else:
+            if rows[0].device.type == "cuda":
+                self._pin()
             torch.from_numpy(target).copy_(torch.stack(list(rows)))
         del target
+
+    def _pin(self) -> None:
+        """Page-lock this mapping for CUDA (once; the server's side, before its first CUDA rows).
+
+        A device-to-host copy into pageable memory goes through a staging
+        buffer in pieces; into page-locked memory the copy engine writes it
+        directly. A refusal (no more lockable memory) leaves it pageable.
+        """
+        if self._pin_tried:
+            return
+        self._pin_tried = True
+        buffer = _buffer(self._shm)
+        address = np.frombuffer(buffer, np.uint8).ctypes.data  # the view goes at once
+        portable = 1  # cudaHostRegisterPortable: locked for every device
+        if int(torch.cuda.cudart().cudaHostRegister(address, len(buffer), portable)) == 0:
+            self.pinned_address = address
 
     def read(self, num_rows: int, first_row: int = 0) -> torch.Tensor:
         """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's rows from
@@ -164,6 +185,9 @@ class Slab:
         """Unmap this side's view. Idempotent."""
         if not self.is_closed:
             self.is_closed = True
+            if self.pinned_address is not None:
+                torch.cuda.cudart().cudaHostUnregister(self.pinned_address)
+                self.pinned_address = None
             self._shm.close()
 
 
