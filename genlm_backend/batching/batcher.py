@@ -142,9 +142,12 @@ class AutoBatcher(Generic[K, V]):
                 future = self._enqueue_nowait(key)
                 self._num_waiters[future] = self._num_waiters.get(future, 0) + 1
                 futures.append(future)
-            waiting = {future for future in futures if not future.done()}
-            if waiting:
-                await asyncio.wait(waiting)  # unlike gather, never cancels them
+            for future in futures:
+                # One wait per batch the keys went into, not a callback per key: a
+                # batch settles all its futures at once. asyncio.wait, unlike
+                # awaiting the future, neither cancels it nor raises its error.
+                if not future.done():
+                    await asyncio.wait((future,))
             values = [future.result() for future in futures]
             owned = all(self._num_waiters[f] == 1 and f not in self._joined for f in futures)
             return values, owned
