@@ -424,6 +424,35 @@ async def test_output_cache_holds_only_the_rows_it_accounts_for(llm):
         assert row.untyped_storage().nbytes() == V * row.element_size()
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_put_many_keeps_compact_copies_of_a_batch_s_rows_within_budget(device):
+    from genlm_backend.cache.output import OutputCache
+
+    block = torch.randn(8, 50, device=device)
+    expected = block.clone()
+    cache = OutputCache(3 * 50 * block.element_size())  # room for three rows
+    cache.put_many([(i, row) for i, row in enumerate(block.unbind(0))])
+    block.fill_(0.0)  # the batch's output is the caller's: the cache holds copies
+    assert [i for i in range(8) if i in cache] == [5, 6, 7]
+    for i in (5, 6, 7):
+        row = cache[i]
+        assert row.device == block.device
+        assert row.untyped_storage().nbytes() == 50 * row.element_size()
+        torch.testing.assert_close(row, expected[i], atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------- lifecycle and errors
 
 

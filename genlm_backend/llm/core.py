@@ -237,8 +237,7 @@ class LMCore:
                 results.update(zip(scores, self.runner.score(scores)))
             self._num_batches += 1
             self._num_contexts_computed += len(current)
-            for request in rows:
-                self.output_cache.put(request, results[request])
+            self.output_cache.put_many([(request, results[request]) for request in rows])
         return [
             results[request] if request in results else _replaced_adapter_error(request)
             for request in requests

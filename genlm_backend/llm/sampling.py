@@ -30,8 +30,9 @@ def sample_token(logits: torch.Tensor, generator: torch.Generator, temperature: 
     if temperature != 1:
         cdf.div_(temperature)
     cdf.exp_().cumsum_(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator).to(cdf.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1))
+    # The uniform goes in as a Python number (a kernel argument, not a copy to the device).
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    return min(int(torch.searchsorted(cdf, cdf[-1:] * u, right=True)), cdf.numel() - 1)
 
 
 _SCRATCH = threading.local()
