@@ -27,7 +27,9 @@ import torch
 from genlm_backend.llm.sampling import sample_token
 
 
-def softmax_then_cumsum(logits: torch.Tensor, generator: torch.Generator, temperature: float) -> int:
+def softmax_then_cumsum(
+    logits: torch.Tensor, generator: torch.Generator, temperature: float
+) -> int:
     scaled = logits / temperature if temperature != 1 else logits
     cdf = torch.softmax(scaled.double(), dim=-1).cumsum_(0)
     u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
@@ -42,8 +44,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=500)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"one draw, median of {args.repeats} (us), {args.threads} torch thread(s), "
-          f"temperature {args.temperature}")
+    print(
+        f"one draw, median of {args.repeats} (us), {args.threads} torch thread(s), "
+        f"temperature {args.temperature}"
+    )
     print("| vocabulary | softmax then cumsum (us) | sample_token (us) | speedup | same tokens |")
     print("|---|---|---|---|---|")
     for vocab in args.vocab:
@@ -60,8 +64,10 @@ def main() -> None:
                 times[k].append(time.perf_counter() - started)
             same += tokens[0] == tokens[1]
         before, after = (1e6 * statistics.median(t) for t in times)
-        print(f"| {vocab:,} | {before:.0f} | {after:.0f} | {before / after:.2f}x "
-              f"| {same}/{args.repeats} |")
+        print(
+            f"| {vocab:,} | {before:.0f} | {after:.0f} | {before / after:.2f}x "
+            f"| {same}/{args.repeats} |"
+        )
 
 
 if __name__ == "__main__":

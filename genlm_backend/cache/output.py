@@ -161,7 +161,6 @@ class OutputCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
