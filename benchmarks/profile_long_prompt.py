@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     wrap(runner.model, "forward", totals, "model forward")
     wrap(hf_runner.layout, "inputs", totals)
     wrap(llm._core.contexts, "validate", totals, "validation")
-    wrap(llm.output_cache, "put", totals, "output cache put")
+    wrap(llm.output_cache, "put_many", totals, "output cache put")
 
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
     floor_prompt, floor_own = token_draws(vocab_size, particles, steps, 64)
