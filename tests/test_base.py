@@ -572,3 +572,36 @@ def test_sample_token_follows_the_distribution_and_skips_impossible_tokens():
     assert torch.all(
         (counts - expected).abs() <= 5 * expected.mul(1 - expected / len(draws)).sqrt() + 1e-9
     )
+
+
+def test_sample_token_across_blocks_follows_the_distribution():
+    """Rows longer than a block: the block sums pick the block, its own sum the index."""
+    from genlm_backend.llm.sampling import BLOCK, sample_token
+
+    size = 3 * BLOCK + 5
+    possible = [0, BLOCK - 1, BLOCK, 2 * BLOCK + 7, size - 1]
+    logits = torch.full((size,), float("-inf"))
+    logits[possible] = torch.tensor([0.5, 1.0, -0.3, 0.0, 2.0])
+    generator = torch.Generator().manual_seed(3)
+    draws = torch.tensor([sample_token(logits, generator, 0.8) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=size).double()
+    assert counts.sum() == counts[possible].sum()  # nothing impossible drawn
+    expected = torch.softmax(logits.double() / 0.8, 0)[possible] * len(draws)
+    assert torch.all(
+        (counts[possible] - expected).abs() <= 5 * expected.mul(1 - expected / len(draws)).sqrt()
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_possible", "u", "expected"),
+    [(10, 0.0, 0), (10, 0.5, 5), (10, 1.0, 9), (1034, 1.0, 1033), (1020, 1.0, 1019)],
+)
+def test_a_target_at_the_top_of_the_cdf_draws_the_last_possible_token(num_possible, u, expected):
+    """u = 1 puts the target at the row's whole sum, where rounding (of ``u * total``, or between
+    the block sums and a block's cumulative sum) can put it: the last possible index then, never
+    a padded or impossible one, nor one of a block without a possible token."""
+    from genlm_backend.llm.sampling import BLOCK, _draw_on_cpu
+
+    logits = torch.full((BLOCK + 40,), float("-inf"))
+    logits[:num_possible] = 0.0
+    assert _draw_on_cpu(logits, u, 1.0) == expected
