@@ -232,7 +232,26 @@ def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
                 (logprobs([[1] * 9]), 413, "a context of 9 tokens; this server takes at most 8"),
                 (post(b"x" * 3000), 413, "this server takes at most 2048"),
                 (post(b"\xc1garbage"), 400, "not msgpack"),
-                (post(protocol.pack({"lengths": [2], "ids": b"\0" * 4})), 400, "lora_names"),
+                (post(protocol.pack({"lengths": [2], "ids": b"\0" * 4})), 400, "'shared'"),
+                (
+                    post(protocol.pack({"lengths": [2], "shared": [0], "ids": b"\0" * 8})),
+                    400,
+                    "lora_names",
+                ),
+                (
+                    post(
+                        protocol.pack(
+                            {
+                                "lengths": [2, 3],
+                                "shared": [0, 3],
+                                "ids": b"\0" * 8,
+                                "lora_names": [None] * 2,
+                            }
+                        )
+                    ),
+                    400,
+                    "each 'shared' entry is an int from 0 to the length",
+                ),
                 (logprobs([[256]]), 400, "outside the vocabulary"),
                 (offer(b"\xc1garbage"), 400, "not msgpack"),
                 (offer(protocol.pack({"client": "c", "name": 1})), 400, "'name' (str)"),

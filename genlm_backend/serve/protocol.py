@@ -9,13 +9,17 @@ rows as raw ``float32`` little-endian bytes, ``[rows, vocab]`` in C order
 Endpoints (all under ``/v1``):
 
 * ``GET /v1/info``: the model's identity, vocabulary, tokenizer files, limits, adapters.
-* ``POST /v1/logprobs``: ``{"lengths": [int], "ids": bytes, "lora_names": [str | None],
-  "uncached": bool, "client": str, "session": str, "slab_row": int}`` -> rows
+* ``POST /v1/logprobs``: ``{"lengths": [int], "shared": [int], "ids": bytes,
+  "lora_names": [str | None], "uncached": bool, "client": str, "session": str,
+  "slab_row": int}`` -> rows
   ``[len(lengths), vocab]``: in the answer's body, or (content type
   :data:`SLAB_CONTENT_TYPE`, body ``{"num_rows": int}``) in the client's shared-memory
   slab of ``session``, from its row ``slab_row`` on (default 0). ``client`` (optional)
   identifies the client process across its requests (see :mod:`~genlm_backend.serve.gather`);
-  ``session`` (optional) names the client's open slab session.
+  ``session`` (optional) names the client's open slab session. Context ``i`` is its
+  first ``shared[i]`` tokens in common with context ``i - 1`` (``shared[0] == 0``),
+  then its other ``lengths[i] - shared[i]`` tokens, which are all ``ids`` holds: a
+  batch of particles behind one prompt carries the prompt once.
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
   a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times
   ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
@@ -29,7 +33,7 @@ Endpoints (all under ``/v1``):
 
 from __future__ import annotations
 
-import itertools
+import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +44,7 @@ import torch
 
 from genlm_backend.batching.config import is_int
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 TOKEN_HEADER = "authorization"
 MODEL_ID_HEADER = "x-genlm-model-id"
 ROWS_CONTENT_TYPE = "application/x-float32-le"
@@ -96,7 +100,7 @@ class ServeLimits:
 class LogprobsRequest:
     """A decoded ``/v1/logprobs`` body: contexts with their adapter names, who asks, where rows go."""
 
-    contexts: list[list[int]]
+    contexts: list[tuple[int, ...]]
     lora_names: list[str | None]
     uncached: bool
     client: str | None = None
@@ -152,11 +156,28 @@ def encode_logprobs_request(
     session: str | None = None,
     slab_row: int = 0,
 ) -> bytes:
-    """The body of a ``/v1/logprobs`` request (ids as ``int32`` little-endian bytes)."""
-    lengths = [len(context) for context in contexts]
-    flat = [token for context in contexts for token in context]
-    ids = np.asarray(flat, dtype="<i4").tobytes()
-    fields = {"lengths": lengths, "ids": ids, "lora_names": list(lora_names), "uncached": uncached}
+    """The body of a ``/v1/logprobs`` request: each context's tokens past those it shares
+    with the context before it, as ``int32`` little-endian bytes.
+
+    Raises:
+        ValueError: a token id that is not an int of 32 bits.
+    """
+    lengths, shared, pieces = [], [], []
+    previous = np.empty(0, dtype="<i4")
+    for context in contexts:
+        ids = _int32(context)
+        common = _shared_length(previous, ids)
+        lengths.append(len(ids))
+        shared.append(common)
+        pieces.append(ids[common:].tobytes())
+        previous = ids
+    fields = {
+        "lengths": lengths,
+        "shared": shared,
+        "ids": b"".join(pieces),
+        "lora_names": list(lora_names),
+        "uncached": uncached,
+    }
     if client is not None:
         fields["client"] = client
     if session is not None:
@@ -166,11 +187,28 @@ def encode_logprobs_request(
     return pack(fields)
 
 
+def _int32(context: Sequence[int]) -> np.ndarray:
+    """``context`` as little-endian ``int32`` (``struct``: 25 us for 4,096 ids, a third of numpy's)."""
+    try:
+        return np.frombuffer(struct.pack(f"<{len(context)}i", *context), dtype="<i4")
+    except struct.error as exc:
+        raise ValueError(f"token ids must be ints of 32 bits ({exc})") from None
+
+
+def _shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first ids ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
 def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest:
-    """Check a ``/v1/logprobs`` body against its schema and ``limits``.
+    """Check a ``/v1/logprobs`` body against its schema and ``limits``; its contexts as tuples.
 
     Token ids are not checked against the vocabulary here: the server's
-    ``AsyncLM`` validates them as it would in-process.
+    ``AsyncLM`` validates them as it would in-process. A context's tokens
+    in common with the one before it are that tuple's own (a slice, no new
+    ints), so decoding costs the new tokens, not every context's length.
 
     Raises:
         RequestTooLargeError: more rows or a longer context than ``limits`` allow.
@@ -180,9 +218,20 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
 
     fields = unpack(body)
     lengths, ids, lora_names = fields.get("lengths"), fields.get("ids"), fields.get("lora_names")
+    shared = fields.get("shared")
     uncached = fields.get("uncached", False)
     if not (isinstance(lengths, list) and all(is_int(n) and n >= 0 for n in lengths)):
         raise ValueError("malformed request body: 'lengths' must be a list of ints >= 0")
+    if not (isinstance(shared, list) and len(shared) == len(lengths)):
+        raise ValueError("malformed request body: 'shared' must have one entry per context")
+    limit = 0  # context 0 shares nothing; context i at most min(lengths[i - 1], lengths[i])
+    for length, common in zip(lengths, shared):
+        if not (is_int(common) and 0 <= common <= min(limit, length)):
+            raise ValueError(
+                "malformed request body: each 'shared' entry is an int from 0 to the length "
+                "of its context and of the one before it (0 for the first)"
+            )
+        limit = length
     if not isinstance(ids, bytes) or len(ids) % 4:
         raise ValueError("malformed request body: 'ids' must be int32 bytes")
     if not isinstance(lora_names, list) or len(lora_names) != len(lengths):
@@ -199,9 +248,11 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
         raise ValueError(
             f"malformed request body: 'slab_row' must be an int in [0, {SLAB_BATCHES * limits.max_rows})"
         )
-    if sum(lengths) * 4 != len(ids):
+    num_new = sum(lengths) - sum(shared)
+    if num_new * 4 != len(ids):
         raise ValueError(
-            f"malformed request body: lengths sum to {sum(lengths)} tokens, ids hold {len(ids) // 4}"
+            f"malformed request body: lengths and shared leave {num_new} new tokens, "
+            f"ids hold {len(ids) // 4}"
         )
     if len(lengths) > limits.max_rows:
         raise RequestTooLargeError(
@@ -212,9 +263,23 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
         raise RequestTooLargeError(
             f"a context of {longest} tokens; this server takes at most {limits.max_context_length}"
         )
-    flat = np.frombuffer(ids, dtype="<i4").tolist()
-    offsets = np.cumsum([0, *lengths]).tolist()
-    contexts = [flat[start:end] for start, end in itertools.pairwise(offsets)]
+    if sum(lengths) > limits.max_batch_tokens:  # shared tokens cost no bytes, but memory here
+        raise RequestTooLargeError(
+            f"{sum(lengths)} context tokens in one request; this server takes at most "
+            f"{limits.max_batch_tokens}"
+        )
+    new_ids = np.frombuffer(ids, dtype="<i4").tolist()
+    contexts: list[tuple[int, ...]] = []
+    previous: tuple[int, ...] = ()
+    prefix: tuple[int, ...] = ()  # a prefix of ``previous``: particles share one, sliced once
+    start = 0
+    for length, common in zip(lengths, shared):
+        if common != len(prefix):
+            prefix = prefix[:common] if common < len(prefix) else previous[:common]
+        end = start + length - common
+        previous = prefix + tuple(new_ids[start:end])
+        contexts.append(previous)
+        start = end
     return LogprobsRequest(contexts, lora_names, uncached, client, session, slab_row)
 
 
