@@ -18,8 +18,9 @@ def sample_token(logits: torch.Tensor, generator: torch.Generator, temperature: 
     accumulated in float64 so tiny probabilities keep their share (never an
     index of probability zero). ``torch.multinomial`` is slower on large
     vocabularies. The uniform draw comes from ``generator``, a CPU
-    generator, whatever the device: one draw per call, so a seed gives the
-    same tokens on every device.
+    generator, whatever the device: one per call, so a seed gives the same
+    uniforms on every device (and the same tokens but where rounding moves
+    the edge of a token's share across one).
     """
     if logits.device.type not in ("cpu", "cuda"):  # MPS has no float64
         logits = logits.cpu()
