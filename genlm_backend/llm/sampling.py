@@ -24,6 +24,8 @@ def sample_token(logits: torch.Tensor, generator: torch.Generator, temperature: 
     """
     if logits.device.type not in ("cpu", "cuda"):  # MPS has no float64
         logits = logits.cpu()
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # exact for half precisions: the subtraction below must not round
     u = float(torch.rand((), dtype=torch.float64, generator=generator))
     if logits.device.type == "cpu":
         return _draw_on_cpu(logits, u, temperature)
