@@ -179,3 +179,19 @@ def test_cuda_rows_go_into_a_page_locked_slab_exactly():
         assert server.pinned_address is None
         client.close()
         client.unlink()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_refused_page_lock_leaves_no_cuda_error_in_the_server_s_thread():
+    """CUDA keeps a failed call's error for its thread's next kernel launch: the call runs apart."""
+    import numpy as np
+
+    from genlm_backend.serve.slab import _cuda_call_apart
+
+    memory = np.zeros(1 << 16, np.uint8)
+    unregister = torch.cuda.cudart().cudaHostUnregister
+    assert (
+        _cuda_call_apart(torch.device("cuda"), unregister, memory.ctypes.data) != 0
+    )  # never locked
+    assert torch.ones(8, device="cuda").add_(1).sum().item() == 16  # launches without that error

@@ -31,6 +31,7 @@ import mmap
 import os
 import secrets
 import sys
+import threading
 from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -70,6 +71,7 @@ class Slab:
         self.pinned_address: int | None = None
         """Where the mapping is page-locked for CUDA copies (``None``: it is not)."""
         self._pin_tried = False
+        self._pinned_for: torch.device | None = None
 
     @property
     def name(self) -> str:
@@ -128,11 +130,11 @@ class Slab:
             np.stack([row.detach().numpy() for row in rows], out=target)
         else:
             if rows[0].device.type == "cuda":
-                self._pin()
+                self._pin(rows[0].device)
             torch.from_numpy(target).copy_(torch.stack(list(rows)))
         del target
 
-    def _pin(self) -> None:
+    def _pin(self, device: torch.device) -> None:
         """Page-lock this mapping for CUDA (once; the server's side, before its first CUDA rows).
 
         A device-to-host copy into pageable memory goes through a staging
@@ -145,8 +147,11 @@ class Slab:
         buffer = _buffer(self._shm)
         address = np.frombuffer(buffer, np.uint8).ctypes.data  # the view goes at once
         portable = 1  # cudaHostRegisterPortable: locked for every device
-        if int(torch.cuda.cudart().cudaHostRegister(address, len(buffer), portable)) == 0:
-            self.pinned_address = address
+        status = _cuda_call_apart(
+            device, torch.cuda.cudart().cudaHostRegister, address, len(buffer), portable
+        )
+        if status == 0:
+            self.pinned_address, self._pinned_for = address, device
 
     def read(self, num_rows: int, first_row: int = 0) -> torch.Tensor:
         """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's rows from
@@ -186,9 +191,32 @@ class Slab:
         if not self.is_closed:
             self.is_closed = True
             if self.pinned_address is not None:
-                torch.cuda.cudart().cudaHostUnregister(self.pinned_address)
+                _cuda_call_apart(
+                    self._pinned_for, torch.cuda.cudart().cudaHostUnregister, self.pinned_address
+                )
                 self.pinned_address = None
             self._shm.close()
+
+
+def _cuda_call_apart(device: torch.device | None, call, *args) -> int:
+    """``call(*args)``'s CUDA status, from a thread of its own whose device is ``device``.
+
+    CUDA keeps a failed call's error as its thread's last error, which torch
+    reads after its next kernel launch in that thread and raises there; a
+    refused page lock must not fail the server's next request. (The device:
+    a new thread's is the first, whose context the call would otherwise create.)
+    """
+    status = []
+
+    def run() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        status.append(int(call(*args)))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return status[0] if status else -1
 
 
 def rows_view(buffer, vocab_size: int, num_rows: int, first_row: int) -> np.ndarray:
