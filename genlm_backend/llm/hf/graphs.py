@@ -26,14 +26,12 @@ shared levels are unsupported) runs eagerly (:class:`~genlm_backend.llm.hf.runne
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,6 +43,7 @@ from genlm_backend.llm.hf.attention import Cascade, Level
 from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, grouped_kv_attention, kv_shape
 from genlm_backend.llm.hf.plan import PassPlan, Piece, Segment, copy_segments, positions
 from genlm_backend.llm.runner import fit_to_vocab
+from genlm_backend.tokenization.token import gc_paused
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Row counts graphs are captured for: a step's rows are padded to the next one."""
@@ -92,7 +91,7 @@ class CudaGraphs:
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with _CAPTURE_LOCK, torch.cuda.device(self._index), _collector_paused():
+        with _CAPTURE_LOCK, torch.cuda.device(self._index), gc_paused():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -123,17 +122,6 @@ class CudaGraphs:
 
 _CAPTURE_LOCK = threading.Lock()
 """Held by every capture of the process: torch allows one at a time."""
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @functools.cache
