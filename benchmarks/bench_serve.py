@@ -8,7 +8,8 @@ one ``next_token_logprobs`` per particle per step, seeded) from a shared
 * **served**: one ``genlm-backend serve`` process, 4 client processes of P
   particles each (``RemoteLM``), started together on a "go" line;
 * **served, before** (with ``--baseline-tree PATH``, a checkout of an earlier
-  version): the same, server and clients running that checkout's code;
+  version): the same, server and clients running that checkout's code (with
+  ``--random-weights``, a checkout whose ``bench_serve.py`` has that option);
 * **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
 
 Time is from "go" to the last process done (model loading excluded, warm-up
@@ -375,7 +376,9 @@ def main() -> None:
         (worker if args.role == "worker" else serve_model)(args)
         return
     if args.random_weights and args.baseline_tree:
-        parser.error("--baseline-tree runs SmolLM2 only: leave out --random-weights")
+        earlier = (args.baseline_tree / "benchmarks" / "bench_serve.py").read_text()
+        if "--random-weights" not in earlier:
+            parser.error("that --baseline-tree's bench_serve.py has no --random-weights")
     setups = [s for s in args.setups if s != "served-before" or args.baseline_tree is not None]
     setups = setups if args.runs > 0 else []  # --runs 0: the round trips only
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}

@@ -55,6 +55,14 @@ part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloa
 part serve_1b 150 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
     --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
     --setups in-process served --runs ${SERVE_RUNS:-2} --repeats 10
+# The same against an earlier commit in turns, when the call carries its checkout:
+#     git worktree add .baseline <commit>, then carry [".whl", ".baseline"].
+if [[ -d .baseline ]]; then
+    part serve_1b_paired 240 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
+        --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
+        --setups in-process served served-before --baseline-tree .baseline \
+        --runs ${SERVE_RUNS:-2} --repeats 10
+fi
 part step_smollm2 45 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
     --random-weights $CONFIGS/smollm2_135m --workloads 32x16@64
 # Where a step of ours goes (event loop, runner, forward), 8B shape.
