@@ -50,9 +50,10 @@ def _draw_on_cpu(logits: torch.Tensor, u: float, temperature: float) -> int:
     memory back). Their float64 sums per block of :data:`BLOCK` locate the
     block, and one block's float64 cumulative sum the index: a cumulative
     sum of 1,024 entries instead of the whole row, float32 exponentials
-    instead of float64. On a 128,256-entry row, one thread: 0.28 ms against
-    0.46 for a float64 CDF over the row in a kept buffer, and 0.5 to 1.6 ms
-    for a float64 softmax into fresh buffers (``benchmarks/bench_sampling.py``).
+    instead of float64. On a 128,256-entry row, one thread: 0.32 ms against
+    0.5 to 1.5 ms for a float64 softmax into fresh buffers
+    (``benchmarks/bench_sampling.py``; a float64 CDF over the whole row in a
+    kept buffer took 0.46 ms).
     """
     size = logits.shape[0]
     padded = _weights_buffer(size)  # [num_blocks * BLOCK], zeros past ``size``
