@@ -20,9 +20,9 @@ _IDS = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 
 
 @st.composite
-def batches(draw):
+def batches(draw, first_size=(0, 40)):
     """Contexts that share prefixes with the one before them, as particles behind a prompt do."""
-    contexts = [draw(st.lists(_IDS, max_size=40))]
+    contexts = [draw(st.lists(_IDS, min_size=first_size[0], max_size=first_size[1]))]
     for _ in range(draw(st.integers(0, 15))):
         keep = draw(st.integers(0, len(contexts[-1])))
         contexts.append(contexts[-1][:keep] + draw(st.lists(_IDS, max_size=24)))
@@ -31,9 +31,22 @@ def batches(draw):
 
 @given(batches(), st.booleans())
 def test_decoding_an_encoded_batch_gives_its_contexts_back(contexts, as_tuples):
+    _check_round_trip(contexts, as_tuples, LIMITS)
+
+
+@given(batches(first_size=(250, 400)), st.booleans())
+def test_long_contexts_round_trip_and_share_all_they_can(contexts, as_tuples):
+    # Past 256 ids the shared part is found another way (numpy, not integers).
+    _check_round_trip(contexts, as_tuples, LONG_LIMITS)
+
+
+LONG_LIMITS = protocol.ServeLimits(max_rows=16, max_context_length=800, max_body_bytes=1 << 20)
+
+
+def _check_round_trip(contexts, as_tuples, limits):
     sent = [tuple(c) for c in contexts] if as_tuples else contexts
     body = protocol.encode_logprobs_request(sent, [None] * len(sent), client="c", slab_row=2)
-    request = protocol.decode_logprobs_request(body, LIMITS)
+    request = protocol.decode_logprobs_request(body, limits)
     assert request.contexts == [tuple(c) for c in contexts]
     assert all(type(c) is tuple for c in request.contexts)
     assert (request.client, request.slab_row) == ("c", 2)

@@ -163,13 +163,13 @@ def encode_logprobs_request(
         ValueError: a token id that is not an int of 32 bits.
     """
     lengths, shared, pieces = [], [], []
-    previous = np.empty(0, dtype="<i4")
+    previous = b""
     for context in contexts:
-        ids = _int32(context)
+        ids = _int32_bytes(context)
         common = _shared_length(previous, ids)
-        lengths.append(len(ids))
+        lengths.append(len(context))
         shared.append(common)
-        pieces.append(ids[common:].tobytes())
+        pieces.append(ids[4 * common :])
         previous = ids
     fields = {
         "lengths": lengths,
@@ -187,19 +187,34 @@ def encode_logprobs_request(
     return pack(fields)
 
 
-def _int32(context: Sequence[int]) -> np.ndarray:
-    """``context`` as little-endian ``int32`` (``struct``: 25 us for 4,096 ids, a third of numpy's)."""
+def _int32_bytes(context: Sequence[int]) -> bytes:
+    """``context`` as little-endian ``int32`` bytes (``struct``: 25 us for 4,096 ids, a third of numpy's)."""
     try:
-        return np.frombuffer(struct.pack(f"<{len(context)}i", *context), dtype="<i4")
+        return struct.pack(f"<{len(context)}i", *context)
     except struct.error as exc:
         raise ValueError(f"token ids must be ints of 32 bits ({exc})") from None
 
 
-def _shared_length(a: np.ndarray, b: np.ndarray) -> int:
-    """How many first ids ``a`` and ``b`` have in common."""
+def _shared_length(a: bytes, b: bytes) -> int:
+    """How many first ids the ``int32`` bytes ``a`` and ``b`` have in common.
+
+    Short ones at C speed without numpy's call overhead (64 contexts of 26
+    ids: 0.14 ms against 0.32 with numpy per pair): equal prefixes by one
+    comparison, else the lowest set bit of the two read as little-endian
+    integers and XORed. Long ones with numpy.
+    """
     n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
+    if n > _SHORT_BYTES:
+        differ = np.flatnonzero(np.frombuffer(a, "<i4", n >> 2) != np.frombuffer(b, "<i4", n >> 2))
+        return int(differ[0]) if differ.size else n >> 2
+    if a[:n] == b[:n]:
+        return n >> 2
+    x = int.from_bytes(a[:n], "little") ^ int.from_bytes(b[:n], "little")
+    return ((x & -x).bit_length() - 1) >> 5  # the lowest set bit's id
+
+
+_SHORT_BYTES = 1024
+"""Up to this many bytes (256 ids), :func:`_shared_length` XORs integers; past it, numpy compares."""
 
 
 def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest:
