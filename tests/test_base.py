@@ -336,6 +336,36 @@ async def test_a_batch_computes_only_the_rows_not_cached(llm):
     assert llm.stats.num_batches == 2 and llm.stats.num_output_cache_hits == 6
 
 
+async def test_rows_held_first_equal_the_validated_path_s_and_count_alike(llm):
+    # A server's decoded contexts (tuples of plain ints) are looked up before validation.
+    await llm.batch_next_token_logprobs([[1], [2, 3]])
+    mixed = [(2, 3), (7,), (1,), (7, 8)]
+    rows = await llm.batch_rows(mixed, held_first=True)
+    other = make_llm()
+    await other.batch_next_token_logprobs([[1], [2, 3]])
+    await other.batch_rows(mixed)
+    for row, context in zip(rows, mixed):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    counted = ("num_requests", "num_tokens_requested", "num_output_cache_hits", "num_batches")
+    assert [getattr(llm.stats, name) for name in counted] == [
+        getattr(other.stats, name) for name in counted
+    ]
+    assert llm.stats.num_output_cache_hits == 2 and llm.stats.num_contexts_computed == 4
+    assert llm._core.output_cache.stats.num_misses == other._core.output_cache.stats.num_misses
+
+
+async def test_a_bad_context_among_held_ones_is_named_and_nothing_is_counted(llm):
+    await llm.batch_next_token_logprobs([[1], [2, 3]])
+    before = llm.stats.num_requests
+    with pytest.raises(ValueError, match=r"token_ids_list\[2\]: .*outside the vocabulary"):
+        await llm.batch_rows([(1,), (2, 3), (1, V)], held_first=True)
+    with pytest.raises(ValueError, match=r"token_ids_list\[1\]: .*more than the model's context"):
+        await llm.batch_rows([(1,), (1,) * (MAX_CONTEXT + 1)], held_first=True)
+    with pytest.raises(ValueError, match="unknown"):
+        await llm.batch_rows([(1,)], lora_name="nobody", held_first=True)
+    assert llm.stats.num_requests == before
+
+
 def test_sync_batches_respect_batch_size():
     llm = make_llm(batch_size=3)
     llm.batch_next_token_logprobs_sync([[i] for i in range(7)])

@@ -224,34 +224,53 @@ class AsyncLM:
         return torch.stack(rows) if block is None else block
 
     async def batch_rows(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+        self,
+        token_ids_list: Sequence[TokenIds],
+        lora_name: str | None = None,
+        *,
+        held_first: bool = False,
     ) -> list[torch.Tensor]:
         """:meth:`batch_next_token_logprobs`'s rows before they are stacked: the cached and
         computed rows themselves, to be read, never changed (the server copies them once, into
-        a client's shared memory or its answer)."""
-        rows, _ = await self._rows(token_ids_list, lora_name)
+        a client's shared memory or its answer).
+
+        ``held_first``: the contexts are tuples of plain ints (as a server decodes
+        them), looked up in the output cache before they are validated; only the
+        others are validated. (A context a server already holds costs a lookup,
+        not a second check of ids its client checked.)
+        """
+        rows, _ = await self._rows(token_ids_list, lora_name, held_first=held_first)
         return rows
 
     async def _rows(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None, *, held_first: bool = False
     ) -> tuple[list[torch.Tensor], bool]:
         """:meth:`batch_rows`, and whether they were all computed for this call alone."""
-        requests = self._core.requests(
-            as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
-        )
-        # Rows in the output cache are read here: only the others go to the batcher, together.
-        rows = [self._core.cached(request) for request in requests]
-        missing = [i for i, row in enumerate(rows) if row is None]
-        if not missing:
+        contexts = as_list_of_contexts(token_ids_list)
+        if held_first:
+            rows, held = self._core.held_rows(contexts, lora_name)
+            missing = [i for i, row in enumerate(rows) if row is None]
+            # Every context not held is validated before any is computed.
+            requests = self._core.requests(
+                [contexts[i] for i in missing], lora_name, "token_ids_list", positions=missing
+            )
+            self._core.count_requests(held, num_cache_hits=len(held))
+        else:
+            requests = self._core.requests(contexts, lora_name, "token_ids_list")
+            missing = list(range(len(requests)))
+            # Rows in the output cache are read here: only the others go to the batcher, together.
+            rows = [self._core.cached(request) for request in requests]
+        to_compute = [(i, request) for i, request in zip(missing, requests) if rows[i] is None]
+        if not to_compute:
             return rows, False  # type: ignore[return-value]  # no None left
         computed, owned = await self._batched(
-            lambda batcher: batcher.submit_many_owned([requests[i] for i in missing])
+            lambda batcher: batcher.submit_many_owned([request for _, request in to_compute])
         )
-        for i, row in zip(missing, computed):
+        for (i, _), row in zip(to_compute, computed):
             if isinstance(row, ValueError):
                 raise row
             rows[i] = row
-        return rows, owned and len(missing) == len(rows)  # type: ignore[return-value]
+        return rows, owned and len(to_compute) == len(rows)  # type: ignore[return-value]
 
     async def _submit(self, request: Request) -> torch.Tensor:
         cached = self._core.cached(request)

@@ -135,12 +135,17 @@ class LMCore:
     # ------------------------------------------------------------------ requests
 
     def requests(
-        self, token_ids_list: list[TokenIds], lora_name: str | None, argument: str | None
+        self,
+        token_ids_list: list[TokenIds],
+        lora_name: str | None,
+        argument: str | None,
+        positions: list[int] | None = None,
     ) -> list[Request]:
         """Validate the adapter and every context, then count them: a rejected call counts nothing.
 
-        Errors name ``argument[i]``, the bad context's index in the call (or
-        just the context when ``argument`` is ``None``: single-context calls).
+        Errors name ``argument[i]``, the bad context's index in the call
+        (``positions[i]`` when given: the contexts are some of the call's), or
+        just the context when ``argument`` is ``None`` (single-context calls).
 
         Raises:
             TypeError, ValueError: a bad context or an unknown ``lora_name``.
@@ -155,11 +160,39 @@ class LMCore:
             except (TypeError, ValueError) as exc:
                 if argument is None:
                     raise
-                raise type(exc)(f"{argument}[{index}]: {exc}") from None
+                position = index if positions is None else positions[index]
+                raise type(exc)(f"{argument}[{position}]: {exc}") from None
             requests.append(Request(adapter, context, parent))
+        self.count_requests(requests)
+        return requests
+
+    def held_rows(
+        self, contexts: list[tuple[int, ...]], lora_name: str | None
+    ) -> tuple[list[torch.Tensor | None], list[Request]]:
+        """The output cache's rows of ``contexts``, looked up before they are validated; ``None``
+        where a context is not held. Also the requests found (to :meth:`count_requests` once
+        the call is accepted).
+
+        Only for contexts known to be tuples of plain ints (what a server decodes
+        from a request body): a tuple equal to a key of the cache is then that
+        key's context, which was validated before it was computed.
+
+        Raises:
+            ValueError: an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        self.check_open()
+        adapter = self.adapters.resolve(lora_name)
+        keys = [Request(adapter, context) for context in contexts]
+        rows = [self.output_cache.get(key) for key in keys]
+        found = [key for key, row in zip(keys, rows) if row is not None]
+        return rows, found
+
+    def count_requests(self, requests: list[Request], num_cache_hits: int = 0) -> None:
+        """Count an accepted call's ``requests`` (and those of them its output cache answered)."""
         self._num_requests += len(requests)
         self._num_tokens_requested += sum(len(request.context) for request in requests)
-        return requests
+        self._num_cache_hits += num_cache_hits
 
     def score_requests(
         self,

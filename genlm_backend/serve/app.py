@@ -217,7 +217,7 @@ class ServeApp:
             groups.setdefault(name, []).append(position)
         results = await asyncio.gather(
             *(
-                lm.batch_rows([request.contexts[i] for i in positions], name)
+                lm.batch_rows([request.contexts[i] for i in positions], name, held_first=True)
                 for name, positions in groups.items()
             )
         )
