@@ -84,6 +84,7 @@ class ServeApp:
         self._model_id = self.info["model_id"].encode()
         self._closing = asyncio.Event()
         self._closing_reason = ""
+        self._closing_task: asyncio.Future | None = None
         self._in_flight: set[asyncio.Task] = set()
         self._held_sessions: set[asyncio.Task] = set()
         self.sessions = SlabSessions(lm.vocab_size)
@@ -261,15 +262,15 @@ class ServeApp:
         """``work``'s result, unless the client goes away or the server closes first (then cancelled)."""
         compute = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(wait_for_disconnect(receive))
-        closing = asyncio.ensure_future(self._closing.wait())
         try:
-            await asyncio.wait({compute, gone, closing}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {compute, gone, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
-            gone.cancel()
-            closing.cancel()
+            gone.cancel()  # nobody awaits it: it ends on the loop's next pass
             if not compute.done():
                 compute.cancel()
-            await asyncio.gather(compute, gone, closing, return_exceptions=True)
+                await asyncio.wait({compute})  # its clean-up runs before the answer
         if not compute.cancelled():
             return _result_or_reject(compute, self._shutdown_message)
         if self._closing.is_set():
@@ -278,6 +279,13 @@ class ServeApp:
         host, port = scope.get("client") or ("?", 0)
         self._log(f"client {host}:{port} went away: its request was cancelled")
         raise ClientGone
+
+    def _closing_watch(self) -> asyncio.Future:
+        """A task done once the server closes: one for every request (none made per request)."""
+        task = self._closing_task
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
+            task = self._closing_task = asyncio.ensure_future(self._closing.wait())
+        return task
 
     # ------------------------------------------------------------------ shutdown
 
