@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import re
 import statistics
@@ -224,13 +225,16 @@ def worker_argv(
 # ---------------------------------------------------------------- round trip
 
 
-def round_trips(urls: list[str], args: argparse.Namespace) -> dict[int, tuple[float, float, float]]:
-    """rows -> (served through shared memory, served in answer bodies, in-process) ms per batch.
+def round_trips(urls: list[str], args: argparse.Namespace) -> dict[int, tuple[float, ...]]:
+    """rows -> ms per batch: served through shared memory, the same client's runner alone,
+    served in answer bodies, in-process.
 
     One batch of rows held in an output cache: the server's for the served
     clients (theirs is off; each its own server, ``urls``), the model's own
-    in-process. All in this process, with ``--client-threads`` torch threads (no
-    model work runs).
+    in-process. "Runner alone" validates the contexts and makes the
+    shared-memory client's round trip itself, without its batcher (the
+    difference is what the client's batching costs). All in this process,
+    with ``--client-threads`` torch threads (no model work runs).
     """
     import torch
 
@@ -246,24 +250,36 @@ def round_trips(urls: list[str], args: argparse.Namespace) -> dict[int, tuple[fl
         contexts = [prompt + [token] for token in range(rows)]
         for lm in (local, shared, bodies):
             lm.batch_next_token_logprobs_sync(contexts)  # now in the output caches
-        times = asyncio.run(interleaved((shared, bodies, local), contexts, args.repeats))
+        calls = [
+            functools.partial(shared.batch_next_token_logprobs, contexts),
+            functools.partial(_runner_alone, shared, contexts),
+            functools.partial(bodies.batch_next_token_logprobs, contexts),
+            functools.partial(local.batch_next_token_logprobs, contexts),
+        ]
+        times = asyncio.run(interleaved(calls, args.repeats))
         figures[rows] = tuple(1e3 * statistics.median(t) for t in times)
     if shared.runner.slab_name is None:
         raise RuntimeError(f"no shared memory: {shared.runner.shared_memory_refusal}")
     for lm in (shared, bodies, local):
         lm.close()
-    return figures  # type: ignore[return-value]
+    return figures
 
 
-async def interleaved(lms, contexts, repeats: int) -> list[list[float]]:
-    """Seconds per batch call of each of ``lms``, in turn, on one event loop (warm-up excluded)."""
-    times: list[list[float]] = [[] for _ in lms]
+async def _runner_alone(lm, contexts):
+    """``lm``'s rows of ``contexts`` from its runner: validated, then one round trip, no batcher."""
+    return lm.runner.run(lm._core.requests(contexts, None, "token_ids_list"))
+
+
+async def interleaved(calls, repeats: int) -> list[list[float]]:
+    """Seconds per call of each of ``calls`` (coroutine functions), in turn, on one event loop
+    (warm-up excluded)."""
+    times: list[list[float]] = [[] for _ in calls]
     for repeat in range(3 + repeats):
-        for lm, lm_times in zip(lms, times):
+        for call, call_times in zip(calls, times):
             started = time.perf_counter()
-            await lm.batch_next_token_logprobs(contexts)
+            await call()
             if repeat >= 3:
-                lm_times.append(time.perf_counter() - started)
+                call_times.append(time.perf_counter() - started)
     return times
 
 
@@ -404,12 +420,15 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
         rows = report_runs(runs, total, args)
     print(f"\nround trip of one batch held in an output cache, median of {args.repeats}, in turns")
     print(
-        "| rows | served, shared memory (ms) | served, answer body (ms) | in-process (ms) "
-        "| shared memory / in-process |"
+        "| rows | served, shared memory (ms) | its runner alone (ms) | served, answer body (ms) "
+        "| in-process (ms) | shared memory / in-process |"
     )
-    print("|---|---|---|---|---|")
-    for count, (shared, body, local) in trips.items():
-        print(f"| {count} | {shared:.2f} | {body:.2f} | {local:.2f} | {shared / local:.2f}x |")
+    print("|---|---|---|---|---|---|")
+    for count, (shared, alone, body, local) in trips.items():
+        print(
+            f"| {count} | {shared:.2f} | {alone:.2f} | {body:.2f} | {local:.2f} "
+            f"| {shared / local:.2f}x |"
+        )
     if args.plot and runs:
         plot(rows, trips, total, args.plot)
 
@@ -478,8 +497,8 @@ def plot(rows, trips, total: int, path: Path) -> None:
     middle.set_ylabel("peak RSS, all processes (MB)")
     counts = list(trips)
     right.plot(counts, [trips[c][0] for c in counts], "o-", label="served, shared memory")
-    right.plot(counts, [trips[c][1] for c in counts], "o-", label="served, answer body")
-    right.plot(counts, [trips[c][2] for c in counts], "o-", label="in-process")
+    right.plot(counts, [trips[c][2] for c in counts], "o-", label="served, answer body")
+    right.plot(counts, [trips[c][3] for c in counts], "o-", label="in-process")
     right.set_xlabel("rows per batch (held in an output cache)")
     right.set_ylabel("ms per batch")
     right.legend()

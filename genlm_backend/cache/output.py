@@ -94,6 +94,8 @@ class OutputCache:
         kernel (``torch._foreach_copy_``) instead of a launch per row, which
         for 64 rows cost about 1.2 ms of host time a step.
         """
+        if self.budget_bytes <= 0 or self.maxsize == 0:
+            return  # nothing can be stored
         kept = []
         for key, value in items:
             size = self._nbytes(value)
