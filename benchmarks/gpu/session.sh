@@ -46,6 +46,8 @@ part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
     tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
 part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300
+# A batch call's auto-batching over its runner on this host's CPU (no model: the per-key cost).
+part batch_call 30 python3 benchmarks/bench_batch_call.py --vocab 128256 --repeats 200
 # R (the bandwidth limit), G (an engine step), ours-runner and ours, one process per workload.
 part step_8b 170 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
     --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096
