@@ -57,3 +57,4 @@ def assert_settled(batcher: AutoBatcher) -> None:
     assert (stats.num_pending, stats.num_inflight) == (0, 0), stats
     # No waiter is still counted, and no computation is still marked as shared.
     assert not batcher._num_waiters and not batcher._joined
+    assert batcher._group is None  # no caller's group computing

@@ -307,6 +307,174 @@ async def test_submit_many_raises_its_failed_batch_error(running_recorder):
     await batcher.aclose()
 
 
+# ---------------------------------------------------------------- a caller's group alone
+
+
+def spy_on_queue(batcher: AutoBatcher) -> list:
+    """The keys the batcher queues from now on, one by one."""
+    queued = []
+    add = batcher._pending.add
+
+    def recording_add(key, future, num_tokens):
+        queued.append(key)
+        add(key, future, num_tokens)
+
+    batcher._pending.add = recording_add
+    return queued
+
+
+async def test_a_group_on_an_idle_batcher_goes_as_a_batch_of_its_own(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    queued = spy_on_queue(batcher)
+    assert await bounded(batcher.submit_many_owned(["a", "b", "c"])) == (
+        ["value:a", "value:b", "value:c"],
+        True,
+    )
+    assert running_recorder.batches == [["a", "b", "c"]]
+    assert queued == []  # no key went through the queue
+    stats = batcher.stats
+    assert (stats.num_requests, stats.num_batches, stats.num_batched_keys) == (3, 1, 3)
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_group_that_does_not_fit_one_batch_is_queued(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=2, timeout_s=LONG_S)
+    queued = spy_on_queue(batcher)
+    assert await bounded(batcher.submit_many(["a", "b", "c"])) == ["value:a", "value:b", "value:c"]
+    assert running_recorder.batches == [["a", "b"], ["c"]]
+    assert queued == ["a", "b", "c"]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_group_joins_requests_already_queued_or_arriving_in_its_pass(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    before = asyncio.ensure_future(batcher.submit("before"))
+    await asyncio.sleep(0)  # "before" is queued: the batcher is not idle
+    assert await bounded(batcher.submit_many(["a", "b"])) == ["value:a", "value:b"]
+    assert await bounded(before) == "value:before"
+    many = asyncio.ensure_future(batcher.submit_many(["c", "d"]))
+    await asyncio.sleep(0)  # the batcher is idle: the group waits one pass of the loop
+    during = asyncio.ensure_future(batcher.submit("during"))
+    assert await bounded(many) == ["value:c", "value:d"]
+    assert await bounded(during) == "value:during"
+    assert running_recorder.batches == [["before", "a", "b"], ["during", "c", "d"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_groups_of_one_pass_are_queued_together(running_recorder):
+    """Two callers' groups on an idle batcher in the same pass make one batch (a server's
+    requests from several clients)."""
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    values = await bounded(
+        asyncio.gather(batcher.submit_many(["a", "b"]), batcher.submit_many(["c", "d"]))
+    )
+    assert values == [["value:a", "value:b"], ["value:c", "value:d"]]
+    assert running_recorder.batches == [["a", "b", "c", "d"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_request_for_a_key_of_a_computing_group_joins_it(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    running_recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many_owned(["a", "b"]))
+    await bounded(running_recorder.started)
+    joiners = [asyncio.ensure_future(batcher.submit("b")) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert batcher.stats.num_inflight == 2
+    running_recorder.gate.set()
+    assert await bounded(many) == (["value:a", "value:b"], False)  # its value was shared
+    assert await bounded(asyncio.gather(*joiners)) == ["value:b", "value:b"]
+    assert running_recorder.batches == [["a", "b"]]
+    assert batcher.stats.num_deduplicated == 2
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_requests_arriving_while_a_group_computes_go_after_it_together(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    running_recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
+    await bounded(running_recorder.started)
+    first = asyncio.ensure_future(batcher.submit("x"))
+    for _ in range(4):  # passes in which an idle loop would dispatch "x" on its own
+        await asyncio.sleep(0)
+    later = [asyncio.ensure_future(batcher.submit(key)) for key in ("y", "z")]
+    await asyncio.sleep(0)
+    assert batcher.stats.num_pending == 3
+    running_recorder.gate.set()
+    assert await bounded(asyncio.gather(many, first, *later)) == [
+        ["value:a", "value:b"],
+        "value:x",
+        "value:y",
+        "value:z",
+    ]
+    assert running_recorder.batches == [["a", "b"], ["x", "y", "z"]]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_failed_group_fails_its_caller_and_joiners_alone(running_recorder):
+    running_recorder.fail_on = "bad"
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    running_recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many(["a", "bad"]))
+    await bounded(running_recorder.started)
+    joiner = asyncio.ensure_future(batcher.submit("a"))
+    await asyncio.sleep(0)
+    running_recorder.gate.set()
+    for outcome in await bounded(asyncio.gather(many, joiner, return_exceptions=True)):
+        assert isinstance(outcome, ValueError) and "cannot process 'bad'" in str(outcome)
+    assert batcher.stats.num_failed_batches == 1
+    assert await bounded(batcher.submit_many(["c", "d"])) == ["value:c", "value:d"]
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_group_returning_the_wrong_number_of_values_fails(running_recorder):
+    batcher = make_batcher(lambda keys: ["only one"], max_batch_size=8, timeout_s=LONG_S)
+    with pytest.raises(RuntimeError, match="returned 1 values for 2 keys"):
+        await bounded(batcher.submit_many(["a", "b"]))
+    assert batcher.stats.num_failed_batches == 1
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_a_cancelled_group_caller_leaves_its_joiners_their_values(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    running_recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
+    await bounded(running_recorder.started)
+    joiner = asyncio.ensure_future(batcher.submit("a"))
+    await asyncio.sleep(0)
+    many.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await many
+    running_recorder.gate.set()
+    assert await bounded(joiner) == "value:a"
+    assert batcher.stats.num_cancelled == 2
+    assert_settled(batcher)
+    await batcher.aclose()
+
+
+async def test_aclose_fails_a_computing_group_and_its_joiners_at_once(running_recorder):
+    batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
+    running_recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
+    await bounded(running_recorder.started)
+    joiner = asyncio.ensure_future(batcher.submit("b"))
+    await asyncio.sleep(0)
+    await bounded(batcher.aclose())  # returns while the thread is still blocked
+    for waiter in (many, joiner):
+        with pytest.raises(BatcherClosedError, match="closed"):
+            await bounded(waiter)
+    assert_settled(batcher)
+    running_recorder.gate.set()
+
+
 # ---------------------------------------------------------------- errors
 
 

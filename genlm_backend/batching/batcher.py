@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from genlm_backend.batching.config import BatchingConfig
@@ -24,6 +25,12 @@ class AutoBatcher(Generic[K, V]):
     One batcher serves one event loop: it is created inside a running loop
     and its worker task lives on that loop. When and how much it dispatches
     is set by a :class:`BatchingConfig`.
+
+    A group of keys from one caller (:meth:`submit_many`) that finds the
+    batcher idle, and the loop still idle one pass later, goes as a batch of
+    its own at once: it is not queued key by key, and it has one future, not
+    one per key (a request for one of its keys joins it). Anything else waits
+    in the queue, as do groups that came in the same pass (one batch for all).
 
     A batcher is closed by :meth:`aclose`, by its loop cancelling its worker,
     or by an unexpected error in the worker's own loop (not in
@@ -64,6 +71,8 @@ class AutoBatcher(Generic[K, V]):
         self._num_waiters: dict[asyncio.Future, int] = {}  # per computation, not per key
         self._joined: set[asyncio.Future] = set()  # computations a second waiter joined
         self._arrived = asyncio.Event()
+        self._group: _Group[K] | None = None  # a caller's keys computing as one batch
+        self._num_arrivals = 0  # requests and groups that came, to know whether a group is alone
         self._worker: asyncio.Task | None = None
         self._is_closed = False
         self._worker_error: BaseException | None = None
@@ -95,7 +104,8 @@ class AutoBatcher(Generic[K, V]):
             num_failed_batches=c["failed"],
             num_cancelled=c["cancelled"],
             num_pending=len(self._pending),
-            num_inflight=len(self._inflight),
+            num_inflight=len(self._inflight)
+            + (0 if self._group is None else len(self._group.keys)),
             num_pending_tokens=self._pending.num_tokens,
         )
 
@@ -121,10 +131,13 @@ class AutoBatcher(Generic[K, V]):
     async def submit_many(self, keys: Sequence[K]) -> list[V]:
         """:meth:`submit` for several keys of one caller, without a task per key: their values, in order.
 
-        Every key is queued before any waits. Raises what :meth:`submit` would
-        for the first key, in order, whose computation failed; a cancellation
+        On an idle batcher, distinct keys that fit one batch go as a batch of
+        their own after one pass of the loop (see the class); otherwise every
+        key is queued before any waits. Raises what :meth:`submit` would for
+        the first key, in order, whose computation failed; a cancellation
         releases every key (a queued computation nobody else waits for is
-        dropped before it costs model work).
+        dropped before it costs model work; a batch already computing
+        finishes, for whoever joined it).
         """
         values, _ = await self.submit_many_owned(keys)
         return values
@@ -136,6 +149,10 @@ class AutoBatcher(Generic[K, V]):
         waiter joined (nor another key of this call): nobody else was handed
         these values, so the caller may keep them without copying.
         """
+        if self._may_go_alone(keys):
+            outcome = await self._go_alone(keys)
+            if outcome is not None:
+                return outcome
         futures: list[asyncio.Future] = []
         try:
             for key in keys:
@@ -161,9 +178,12 @@ class AutoBatcher(Generic[K, V]):
     def _enqueue_nowait(self, key: K) -> asyncio.Future:
         if self._is_closed:
             raise self._closed_error()
+        self._num_arrivals += 1
         future = self._pending.future_of(key)
         if future is None:
             future = self._inflight.get(key)
+        if future is None and self._group is not None and key in self._group.positions:
+            future = self._group.relay(key, self._loop)
         if future is not None:
             self._counts["requests"] += 1
             self._counts["deduplicated"] += 1
@@ -202,12 +222,85 @@ class AutoBatcher(Generic[K, V]):
             self._pending.remove(key)
             future.cancel()
 
+    # ------------------------------------------------------------------ a group alone
+
+    def _may_go_alone(self, keys: Sequence[K]) -> bool:
+        """Whether ``keys`` may go as a batch of their own: the batcher is idle (nothing
+        queued or computing), dispatches on an idle loop, and they are distinct and fit one batch."""
+        if self._is_closed or not self.config.flush_on_idle or not self._is_idle():
+            return False
+        if len(set(keys)) != len(keys):
+            return False
+        if self._request_tokens is None:
+            costs = [1] * len(keys)
+        else:
+            costs = [self._request_tokens(key) for key in keys]
+            if not all(isinstance(cost, int) and cost >= 0 for cost in costs):
+                return False  # the queued path raises, for this caller
+        return self.config.next_batch_length(costs) == len(keys)
+
+    def _is_idle(self) -> bool:
+        return not self._pending and not self._inflight and self._group is None
+
+    async def _go_alone(self, keys: Sequence[K]) -> tuple[list[V], bool] | None:
+        """``keys``' values as one batch of their own, and whether nobody joined them; ``None``
+        when a request or another group came during the loop's pass (all then go in the queue,
+        so that they make one batch)."""
+        self._num_arrivals += 1
+        arrival = self._num_arrivals
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one full pass: every ready task has submitted what it had
+        if self._num_arrivals != arrival or self._is_closed or not self._is_idle():
+            return None  # company came (a request, or another group): all go in the queue
+        group = self._group = _Group(list(keys), self._loop.create_future())
+        self._counts["requests"] += len(keys)
+        self._counts["batches"] += 1
+        self._counts["batched_keys"] += len(keys)
+        try:
+            computing = self._loop.run_in_executor(self._executor, self._process_batch, group.keys)
+        except BaseException:  # e.g. an executor shut down: nobody can have joined yet
+            self._group = None
+            self._counts["failed"] += 1
+            raise
+        computing.add_done_callback(lambda done: self._settle_group(group, done))
+        try:
+            await asyncio.wait((group.future,))
+        except asyncio.CancelledError:
+            self._counts["cancelled"] += len(keys)
+            raise
+        return group.future.result(), not group.relays
+
+    def _settle_group(self, group: _Group[K], computing: asyncio.Future) -> None:
+        if self._group is group:
+            self._group = None
+        if group.future.done():  # failed by a close
+            return
+        if computing.cancelled():
+            error: BaseException | None = BatcherClosedError("the batcher was closed")
+        else:
+            error = computing.exception()
+        values = None if error is not None else computing.result()
+        if values is not None and len(values) != len(group.keys):
+            error = RuntimeError(
+                f"process_batch returned {len(values)} values for {len(group.keys)} keys"
+            )
+        if error is None:
+            group.future.set_result(list(values))
+        else:
+            self._counts["failed"] += 1
+            group.future.set_exception(error)
+            group.future.exception()  # retrieved: its waiters may all be gone
+
     # ------------------------------------------------------------------ worker
 
     async def _serve(self) -> None:
         try:
             while True:
                 await self._wait_for_flush()
+                if self._group is not None:
+                    # Requests that came while a group computes go after it, together.
+                    await asyncio.wait((self._group.future,))
+                    continue
                 await self._run_batch(self._take_batch())
         except asyncio.CancelledError:
             self._close_worker(None)
@@ -301,6 +394,10 @@ class AutoBatcher(Generic[K, V]):
         """Fail every queued and computing request with this batcher's closed error."""
         for key, future in self._pending.drain() + list(self._inflight.items()):
             self._settle([key], [future], error=self._closed_error())
+        group, self._group = self._group, None
+        if group is not None and not group.future.done():
+            group.future.set_exception(self._closed_error())
+            group.future.exception()
 
     # ------------------------------------------------------------------ closing
 
@@ -326,3 +423,36 @@ class AutoBatcher(Generic[K, V]):
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+@dataclass
+class _Group(Generic[K]):
+    """One caller's distinct keys computing as a batch of their own, with one future for
+    their values; a request for one of them gets a relay of its value."""
+
+    keys: list[K]
+    future: asyncio.Future
+    positions: dict[K, int] = field(init=False)
+    relays: dict[K, asyncio.Future] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.positions = {key: i for i, key in enumerate(self.keys)}
+
+    def relay(self, key: K, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """A future for ``key``'s value (one per key, for every request joining it)."""
+        relay = self.relays.get(key)
+        if relay is None:
+            relay = self.relays[key] = loop.create_future()
+            position = self.positions[key]
+            self.future.add_done_callback(lambda group: _relay(group, relay, position))
+        return relay
+
+
+def _relay(group: asyncio.Future, relay: asyncio.Future, position: int) -> None:
+    if relay.done():
+        return
+    if group.exception() is not None:
+        relay.set_exception(group.exception())
+        relay.exception()  # retrieved: its waiters may all be gone
+    else:
+        relay.set_result(group.result()[position])
