@@ -279,17 +279,17 @@ class AutoBatcher(Generic[K, V]):
             error: BaseException | None = BatcherClosedError("the batcher was closed")
         else:
             error = computing.exception()
-        values = None if error is not None else computing.result()
-        if values is not None and len(values) != len(group.keys):
+        if error is None:
+            values = computing.result()
+            if len(values) == len(group.keys):
+                group.future.set_result(list(values))
+                return
             error = RuntimeError(
                 f"process_batch returned {len(values)} values for {len(group.keys)} keys"
             )
-        if error is None:
-            group.future.set_result(list(values))
-        else:
-            self._counts["failed"] += 1
-            group.future.set_exception(error)
-            group.future.exception()  # retrieved: its waiters may all be gone
+        self._counts["failed"] += 1
+        group.future.set_exception(error)
+        group.future.exception()  # retrieved: its waiters may all be gone
 
     # ------------------------------------------------------------------ worker
 
@@ -451,8 +451,9 @@ class _Group(Generic[K]):
 def _relay(group: asyncio.Future, relay: asyncio.Future, position: int) -> None:
     if relay.done():
         return
-    if group.exception() is not None:
-        relay.set_exception(group.exception())
-        relay.exception()  # retrieved: its waiters may all be gone
-    else:
+    error = group.exception()
+    if error is None:
         relay.set_result(group.result()[position])
+    else:
+        relay.set_exception(error)
+        relay.exception()  # retrieved: its waiters may all be gone
