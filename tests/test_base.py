@@ -366,6 +366,24 @@ async def test_a_bad_context_among_held_ones_is_named_and_nothing_is_counted(llm
     assert llm.stats.num_requests == before
 
 
+async def test_held_rows_are_every_row_or_none_and_count_only_when_all_are_held(llm):
+    await llm.batch_next_token_logprobs([[1], [2, 3]])
+    before = llm.stats
+    assert llm.held_rows([(1,), (7,)]) is None  # (7,) is not held: nothing counted
+    assert llm.stats == before
+    rows = llm.held_rows([(2, 3), (1,)])
+    assert rows is not None
+    for row, context in zip(rows, [(2, 3), (1,)]):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    after = llm.stats
+    assert after.num_requests == before.num_requests + 2
+    assert after.num_output_cache_hits == before.num_output_cache_hits + 2
+    assert after.num_tokens_requested == before.num_tokens_requested + 3
+    assert after.num_batches == before.num_batches
+    with pytest.raises(ValueError, match="unknown"):
+        llm.held_rows([(1,)], lora_name="nobody")
+
+
 def test_sync_batches_respect_batch_size():
     llm = make_llm(batch_size=3)
     llm.batch_next_token_logprobs_sync([[i] for i in range(7)])

@@ -82,6 +82,37 @@ def test_requests_of_different_clients_share_one_batch(gated_server):
     assert gated_server.output.count("batch started") == 2
 
 
+def test_rows_the_server_holds_are_answered_while_a_batch_computes(gated_server, reference):
+    """A request whose every row the server holds needs no model work: it waits neither for
+    the batch computing nor for the clients the step gather expects back."""
+    contexts = [[7, t] for t in range(4)]
+    with RemoteLM(gated_server.url) as first, RemoteLM(gated_server.url) as second:
+        computing, outcome = in_thread(first.batch_next_token_logprobs_sync, contexts)
+        gated_server.wait_for("batch started: 4 rows")
+        gated_server.open_gate()
+        computing.join(timeout=10)
+        held = outcome["result"]
+        hits_before = second.server_stats()[0].num_output_cache_hits
+        computing, outcome = in_thread(first.next_token_logprobs_sync, [1])
+        try:
+            gated_server.wait_for("batch started: 1 rows")  # now gated: a batch computes
+            # ``second`` has no rows of its own yet: its call is one round trip.
+            rows, held_outcome = in_thread(second.batch_next_token_logprobs_sync, contexts)
+            rows.join(timeout=ERROR_DEADLINE_S)
+            assert not rows.is_alive(), "held rows waited for the batch computing"
+            server_lm, server = second.server_stats()
+            assert server.num_in_flight == 1  # only the gated batch's request
+        finally:
+            gated_server.open_gate()
+        computing.join(timeout=10)
+        assert outcome["result"].shape == (256,)
+    assert torch.equal(held_outcome["result"], held)
+    want = reference.batch_next_token_logprobs_sync(contexts)
+    torch.testing.assert_close(held_outcome["result"], want, rtol=0, atol=1e-6)
+    assert server_lm.num_output_cache_hits == hits_before + len(contexts)
+    assert gated_server.output.count("batch started") == 2
+
+
 def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
     script = (
         "import sys; from genlm_backend.serve import RemoteLM\n"

@@ -128,6 +128,21 @@ async def test_a_request_whose_client_is_not_expected_back_holds_nobody():
     await b
 
 
+async def test_a_client_answered_without_the_model_is_not_waited_for_until_it_is_answered_again():
+    clock = Clock()
+    gather = StepGather(clock)
+    await a_group_that_took(gather, clock, LONG_S, "a", "b")  # both expected back
+    b = await held(gather, "b")  # waits for a
+    gather.answered_without_model("a")  # a came back, and its rows were all held
+    await b
+    clock.now += LONG_S
+    gather.answered("b")  # b is expected back; a is not, until the model answers it again
+    c = await held(gather, "c")  # waits for b alone
+    b_again = asyncio.ensure_future(gather.admit("b"))
+    await asyncio.gather(c, b_again)
+    assert gather.stats.num_waits_given_up == 0
+
+
 async def test_a_client_with_a_request_already_held_is_not_waited_for_again():
     clock = Clock()
     gather = StepGather(clock)

@@ -242,6 +242,25 @@ class AsyncLM:
         rows, _ = await self._rows(token_ids_list, lora_name, held_first=held_first)
         return rows
 
+    def held_rows(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> list[torch.Tensor] | None:
+        """Every context's row from the output cache, counted as one call, or ``None`` (nothing
+        counted) when it lacks one: what :meth:`batch_rows` with ``held_first`` returns without
+        waiting, when it needs no model work.
+
+        Contexts as for ``held_first``: tuples of plain ints, those not held unchecked.
+
+        Raises:
+            ValueError: an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        rows, held = self._core.held_rows(as_list_of_contexts(token_ids_list), lora_name)
+        if len(held) < len(rows):
+            return None
+        self._core.count_requests(held, num_cache_hits=len(held))
+        return rows  # type: ignore[return-value]  # no None left
+
     async def _rows(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None, *, held_first: bool = False
     ) -> tuple[list[torch.Tensor], bool]:

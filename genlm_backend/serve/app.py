@@ -178,15 +178,33 @@ class ServeApp:
             raise Reject("RequestTooLarge", str(exc)) from None
         except ValueError as exc:
             raise Reject("ValueError", str(exc)) from None
-        self._num_logprobs_in_flight += 1
-        try:
-            rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
-        finally:
-            self._num_logprobs_in_flight -= 1
+        rows = self._held_rows(request)
+        if rows is not None and request.client is not None:
+            self.gather.answered_without_model(request.client)
+        if rows is None:
+            self._num_logprobs_in_flight += 1
+            try:
+                rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
+            finally:
+                self._num_logprobs_in_flight -= 1
         self._counts["rows"] += len(rows)
         if self.sessions.write(request.session, rows, request.slab_row):
             return protocol.pack({"num_rows": len(rows)}), protocol.SLAB_CONTENT_TYPE
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
+
+    def _held_rows(self, request: LogprobsRequest) -> list[torch.Tensor] | None:
+        """The request's rows if the output cache holds every one (of one adapter): they need
+        no model work, so they are answered at once, without waiting for the step gather or a
+        batch that computes. ``None`` otherwise (nothing counted)."""
+        names = set(request.lora_names)
+        if request.uncached or len(names) != 1:
+            return None
+        try:
+            return self.lm.held_rows(request.contexts, names.pop())
+        except BackendClosedError:
+            raise Reject("ShuttingDown", self._shutdown_message()) from None
+        except (TypeError, ValueError) as exc:
+            raise Reject(type(exc).__name__, str(exc)) from None
 
     async def _gathered(self, request: LogprobsRequest) -> list[torch.Tensor]:
         """:meth:`_compute`, once the step gather lets the request through."""

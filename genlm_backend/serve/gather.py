@@ -114,6 +114,13 @@ class StepGather:
             self._end_group()
         self._release_if_ready()
 
+    def answered_without_model(self, client: Hashable) -> None:
+        """``client`` sent a request that was answered at once, without the model (every row
+        held): it came back, so nobody waits for it, and it is not expected until a request of
+        its goes to the model again."""
+        self._expected.discard(client)
+        self._release_if_ready()
+
     def forget(self, client: Hashable) -> None:
         """``client`` went away: do not wait for it."""
         self._expected.discard(client)
