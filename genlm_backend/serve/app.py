@@ -4,9 +4,11 @@ All connections are served on one event loop, so the ``AsyncLM``'s batcher
 sees every client's pending contexts at once and batches them together. The
 data path of one ``/v1/logprobs`` request::
 
-    token check -> body (size-limited) -> decode + limits -> step gather
-        -> lm.batch_rows (raced against the client's disconnect
-        and the server's shutdown) -> rows into the client's slab, else float32 bytes
+    token check -> body (size-limited) -> decode + limits
+        -> every row in the output cache? lm.held_rows, at once
+           else: step gather -> lm.batch_rows (raced against the client's
+           disconnect and the server's shutdown)
+        -> rows into the client's slab, else float32 bytes
 
 The step gather (:mod:`~genlm_backend.serve.gather`) holds a request until
 every client that is stepping has sent its own, so a step of all clients is
@@ -179,14 +181,14 @@ class ServeApp:
         except ValueError as exc:
             raise Reject("ValueError", str(exc)) from None
         rows = self._held_rows(request)
-        if rows is not None and request.client is not None:
-            self.gather.answered_without_model(request.client)
         if rows is None:
             self._num_logprobs_in_flight += 1
             try:
                 rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
             finally:
                 self._num_logprobs_in_flight -= 1
+        elif request.client is not None:
+            self.gather.answered_without_model(request.client)
         self._counts["rows"] += len(rows)
         if self.sessions.write(request.session, rows, request.slab_row):
             return protocol.pack({"num_rows": len(rows)}), protocol.SLAB_CONTENT_TYPE
