@@ -323,6 +323,16 @@ def spy_on_queue(batcher: AutoBatcher) -> list:
     return queued
 
 
+async def group_computing_with_a_joiner(batcher, recorder, keys, joining_key):
+    """A caller's group, computing behind the recorder's gate, and a request joining it."""
+    recorder.block()
+    many = asyncio.ensure_future(batcher.submit_many(keys))
+    await bounded(recorder.started)
+    joiner = asyncio.ensure_future(batcher.submit(joining_key))
+    await asyncio.sleep(0)  # the joiner has joined
+    return many, joiner
+
+
 async def test_a_group_on_an_idle_batcher_goes_as_a_batch_of_its_own(running_recorder):
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
     queued = spy_on_queue(batcher)
@@ -420,11 +430,7 @@ async def test_requests_arriving_while_a_group_computes_go_after_it_together(run
 async def test_a_failed_group_fails_its_caller_and_joiners_alone(running_recorder):
     running_recorder.fail_on = "bad"
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
-    running_recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many(["a", "bad"]))
-    await bounded(running_recorder.started)
-    joiner = asyncio.ensure_future(batcher.submit("a"))
-    await asyncio.sleep(0)
+    many, joiner = await group_computing_with_a_joiner(batcher, running_recorder, ["a", "bad"], "a")
     running_recorder.gate.set()
     for outcome in await bounded(asyncio.gather(many, joiner, return_exceptions=True)):
         assert isinstance(outcome, ValueError) and "cannot process 'bad'" in str(outcome)
@@ -445,11 +451,7 @@ async def test_a_group_returning_the_wrong_number_of_values_fails(running_record
 
 async def test_a_cancelled_group_caller_leaves_its_joiners_their_values(running_recorder):
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
-    running_recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
-    await bounded(running_recorder.started)
-    joiner = asyncio.ensure_future(batcher.submit("a"))
-    await asyncio.sleep(0)
+    many, joiner = await group_computing_with_a_joiner(batcher, running_recorder, ["a", "b"], "a")
     many.cancel()
     with pytest.raises(asyncio.CancelledError):
         await many
@@ -462,11 +464,7 @@ async def test_a_cancelled_group_caller_leaves_its_joiners_their_values(running_
 
 async def test_aclose_fails_a_computing_group_and_its_joiners_at_once(running_recorder):
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
-    running_recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
-    await bounded(running_recorder.started)
-    joiner = asyncio.ensure_future(batcher.submit("b"))
-    await asyncio.sleep(0)
+    many, joiner = await group_computing_with_a_joiner(batcher, running_recorder, ["a", "b"], "b")
     await bounded(batcher.aclose())  # returns while the thread is still blocked
     for waiter in (many, joiner):
         with pytest.raises(BatcherClosedError, match="closed"):

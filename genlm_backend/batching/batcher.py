@@ -281,12 +281,10 @@ class AutoBatcher(Generic[K, V]):
             error = computing.exception()
         if error is None:
             values = computing.result()
-            if len(values) == len(group.keys):
+            error = _count_error(values, group.keys)
+            if error is None:
                 group.future.set_result(list(values))
                 return
-            error = RuntimeError(
-                f"process_batch returned {len(values)} values for {len(group.keys)} keys"
-            )
         self._counts["failed"] += 1
         group.future.set_exception(error)
         group.future.exception()  # retrieved: its waiters may all be gone
@@ -359,10 +357,9 @@ class AutoBatcher(Generic[K, V]):
         self._counts["batched_keys"] += len(keys)
         try:
             values = await self._loop.run_in_executor(self._executor, self._process_batch, keys)
-            if len(values) != len(keys):
-                raise RuntimeError(
-                    f"process_batch returned {len(values)} values for {len(keys)} keys"
-                )
+            error = _count_error(values, keys)
+            if error is not None:
+                raise error
         except asyncio.CancelledError:
             self._settle(keys, futures, error=BatcherClosedError("the batcher was closed"))
             raise
@@ -423,6 +420,13 @@ class AutoBatcher(Generic[K, V]):
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _count_error(values: Sequence, keys: Sequence) -> RuntimeError | None:
+    """The error of a ``process_batch`` that returned a value count other than one per key."""
+    if len(values) == len(keys):
+        return None
+    return RuntimeError(f"process_batch returned {len(values)} values for {len(keys)} keys")
 
 
 @dataclass
