@@ -391,6 +391,8 @@ def main() -> None:
     if args.role != "driver":
         (worker if args.role == "worker" else serve_model)(args)
         return
+    if args.baseline_tree is not None:  # its processes run with the checkout as their cwd
+        args.baseline_tree = args.baseline_tree.resolve()
     if args.random_weights and args.baseline_tree:
         earlier = (args.baseline_tree / "benchmarks" / "bench_serve.py").read_text()
         if "--random-weights" not in earlier:

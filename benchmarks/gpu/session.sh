@@ -60,7 +60,7 @@ part serve_1b 150 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/ll
 # The same against an earlier commit in turns, when the call carries its checkout:
 #     git worktree add .baseline <commit>, then carry [".whl", ".baseline"].
 if [[ -d .baseline ]]; then
-    part serve_1b_paired 240 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
+    part serve_1b_paired 330 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
         --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
         --setups in-process served served-before --baseline-tree .baseline \
         --runs ${SERVE_RUNS:-2} --repeats 10
