@@ -51,7 +51,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,9 +183,12 @@ def wait_line(process: subprocess.Popen, prefix: str) -> str:
 
 
 def run_group(
-    workers: list[list[str]], tree: Path = REPO, server_pid: int | None = None
+    workers: list[list[str]],
+    tree: Path = REPO,
+    server_pid: int | None = None,
+    when_ready: Callable[[], None] = lambda: None,
 ) -> tuple[float, float, list[dict]]:
-    """Start workers, wait until all are ready, say go.
+    """Start workers, wait until all are ready, call ``when_ready``, say go.
 
     Returns wall seconds, CPU seconds of the workers and the server between
     "go" and each one's result, and the workers' results.
@@ -192,6 +196,7 @@ def run_group(
     processes = [start(argv, tree) for argv in workers]
     for process in processes:
         wait_line(process, "ready")
+    when_ready()
     pids = [process.pid for process in processes] + ([server_pid] if server_pid else [])
     cpu_before = sum(map(cpu_s, pids))
     started = time.perf_counter()
@@ -307,15 +312,25 @@ def stop_server(server: subprocess.Popen) -> None:
     server.wait(timeout=60)
 
 
-def server_batches(url: str) -> str:
-    """The server's batches so far: "count (mean size)"."""
+def server_counts(url: str) -> Counter:
+    """The server's counts so far: batches, contexts computed, waits its step gather gave up."""
     import urllib3
 
     from genlm_backend.serve import protocol
 
-    stats = protocol.unpack(urllib3.request("GET", url + "/v1/stats").data)["lm"]
-    mean = stats["num_contexts_computed"] / max(1, stats["num_batches"])
-    return f"{stats['num_batches']} ({mean:.1f})"
+    stats = protocol.unpack(urllib3.request("GET", url + "/v1/stats").data)
+    lm, server = stats["lm"], stats["server"]
+    return Counter(
+        batches=lm["num_batches"],
+        contexts=lm["num_contexts_computed"],
+        given_up=server.get("num_waits_given_up", 0),
+    )
+
+
+def describe_batches(counts: Counter) -> str:
+    """ "count (mean size)", and the step gather's given-up waits if any."""
+    text = f"{counts['batches']} ({counts['contexts'] / max(1, counts['batches']):.1f})"
+    return text + (f", {counts['given_up']} given up" if counts["given_up"] else "")
 
 
 def measure_setup(setup: str, args: argparse.Namespace) -> dict:
@@ -331,9 +346,12 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
                 worker_argv(p, s, i, url, args.client_threads, tree, model)
                 for i in range(NUM_PROCESSES)
             ]
-            wall, cpu, results = run_group(workers, tree, server.pid)
+            before: list[Counter] = []  # the timed run's batches: not loads and warm-ups
+            wall, cpu, results = run_group(
+                workers, tree, server.pid, lambda: before.append(server_counts(url))
+            )
             extra_rss = peak_rss_mb(server.pid)
-            batches = server_batches(url)
+            batches = describe_batches(server_counts(url) - before[0])
         finally:
             stop_server(server)
     elif setup == "in-process":
@@ -459,7 +477,7 @@ def report_runs(runs: dict[str, list[dict]], total: int, args: argparse.Namespac
     print(
         "| setup | seconds (median) | tokens/s | vs in-process (paired runs) | all runs (s) "
         "| CPU s, all processes | peak RSS, all processes (MB) | load + warm-up (s) "
-        "| server batches (mean size) |"
+        "| server batches of the run (mean size) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     base = runs.get("in-process")

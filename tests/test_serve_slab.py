@@ -195,3 +195,14 @@ def test_a_refused_page_lock_leaves_no_cuda_error_in_the_server_s_thread():
         _cuda_call_apart(torch.device("cuda"), unregister, memory.ctypes.data) != 0
     )  # never locked
     assert torch.ones(8, device="cuda").add_(1).sum().item() == 16  # launches without that error
+
+
+def test_a_call_apart_raises_its_exception_in_the_caller_s_thread():
+    from genlm_backend.serve.slab import _cuda_call_apart
+
+    def refuse(code):
+        raise OSError(code, "refused")
+
+    with pytest.raises(OSError, match="refused"):
+        _cuda_call_apart(None, refuse, 7)
+    assert _cuda_call_apart(None, lambda a, b: a + b, 2, 3) == 5

@@ -204,19 +204,29 @@ def _cuda_call_apart(device: torch.device | None, call, *args) -> int:
     CUDA keeps a failed call's error as its thread's last error, which torch
     reads after its next kernel launch in that thread and raises there; a
     refused page lock must not fail the server's next request. (The device:
-    a new thread's is the first, whose context the call would otherwise create.)
+    a new thread's is the first, whose context the call would otherwise create;
+    ``cuda`` without an index is this thread's current device.) An exception
+    there is raised here.
     """
-    status = []
+    index = None
+    if device is not None:
+        index = torch.cuda.current_device() if device.index is None else device.index
+    outcome: list = []
 
     def run() -> None:
-        if device is not None:
-            torch.cuda.set_device(device)
-        status.append(int(call(*args)))
+        try:
+            if index is not None:
+                torch.cuda.set_device(index)
+            outcome.append(int(call(*args)))
+        except BaseException as error:  # noqa: BLE001  # raised in the caller's thread
+            outcome.append(error)
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    return status[0] if status else -1
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def rows_view(buffer, vocab_size: int, num_rows: int, first_row: int) -> np.ndarray:
