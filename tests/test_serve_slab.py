@@ -206,3 +206,32 @@ def test_a_call_apart_raises_its_exception_in_the_caller_s_thread():
     with pytest.raises(OSError, match="refused"):
         _cuda_call_apart(None, refuse, 7)
     assert _cuda_call_apart(None, lambda a, b: a + b, 2, 3) == 5
+
+
+def test_a_failed_unlock_still_unmaps_the_slab(monkeypatch):
+    """Closing a page-locked mapping whose unlock fails unmaps it all the same, and says why."""
+    import genlm_backend.serve.slab as slab_module
+
+    def fail(*args):
+        raise RuntimeError("no CUDA here")
+
+    from multiprocessing import resource_tracker
+
+    client = Slab.create(2, VOCAB)
+    server = Slab.attach(client.name, client.nonce, 2, VOCAB)
+    # Attaching in the creator's process took the segment from this process's tracker
+    # (a server's process is another); the client's unlink below gives it back.
+    resource_tracker.register(client._shm._name, "shared_memory")
+    try:
+        server.pinned_address = 1  # as if locked
+        monkeypatch.setattr(slab_module, "_cuda_call_apart", fail)
+        monkeypatch.setattr(
+            torch.cuda, "cudart", lambda: type("Cudart", (), {"cudaHostUnregister": None})
+        )
+        with pytest.raises(RuntimeError, match="no CUDA here"):
+            server.close()
+        assert server.is_closed and server.pinned_address is None
+        assert server._shm.buf is None  # unmapped
+    finally:
+        client.close()
+        client.unlink()

@@ -190,12 +190,14 @@ class Slab:
         """Unmap this side's view. Idempotent."""
         if not self.is_closed:
             self.is_closed = True
-            if self.pinned_address is not None:
-                _cuda_call_apart(
-                    self._pinned_for, torch.cuda.cudart().cudaHostUnregister, self.pinned_address
-                )
-                self.pinned_address = None
-            self._shm.close()
+            address, self.pinned_address = self.pinned_address, None
+            try:
+                if address is not None:
+                    _cuda_call_apart(
+                        self._pinned_for, torch.cuda.cudart().cudaHostUnregister, address
+                    )
+            finally:
+                self._shm.close()
 
 
 def _cuda_call_apart(device: torch.device | None, call, *args) -> int:
