@@ -323,11 +323,17 @@ def spy_on_queue(batcher: AutoBatcher) -> list:
     return queued
 
 
+async def computing_group(recorder, submission):
+    """``submission`` (a batch call), started and computing behind the recorder's gate."""
+    recorder.block()
+    many = asyncio.ensure_future(submission)
+    await bounded(recorder.started)
+    return many
+
+
 async def group_computing_with_a_joiner(batcher, recorder, keys, joining_key):
     """A caller's group, computing behind the recorder's gate, and a request joining it."""
-    recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many(keys))
-    await bounded(recorder.started)
+    many = await computing_group(recorder, batcher.submit_many(keys))
     joiner = asyncio.ensure_future(batcher.submit(joining_key))
     await asyncio.sleep(0)  # the joiner has joined
     return many, joiner
@@ -389,9 +395,7 @@ async def test_groups_of_one_pass_are_queued_together(running_recorder):
 
 async def test_a_request_for_a_key_of_a_computing_group_joins_it(running_recorder):
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
-    running_recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many_owned(["a", "b"]))
-    await bounded(running_recorder.started)
+    many = await computing_group(running_recorder, batcher.submit_many_owned(["a", "b"]))
     joiners = [asyncio.ensure_future(batcher.submit("b")) for _ in range(2)]
     await asyncio.sleep(0)
     assert batcher.stats.num_inflight == 2
@@ -406,9 +410,7 @@ async def test_a_request_for_a_key_of_a_computing_group_joins_it(running_recorde
 
 async def test_requests_arriving_while_a_group_computes_go_after_it_together(running_recorder):
     batcher = make_batcher(running_recorder, max_batch_size=8, timeout_s=LONG_S)
-    running_recorder.block()
-    many = asyncio.ensure_future(batcher.submit_many(["a", "b"]))
-    await bounded(running_recorder.started)
+    many = await computing_group(running_recorder, batcher.submit_many(["a", "b"]))
     first = asyncio.ensure_future(batcher.submit("x"))
     for _ in range(4):  # passes in which an idle loop would dispatch "x" on its own
         await asyncio.sleep(0)
