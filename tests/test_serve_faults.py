@@ -113,10 +113,20 @@ def test_rows_the_server_holds_are_answered_while_a_batch_computes(gated_server,
     assert gated_server.output.count("batch started") == 2
 
 
-def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
+# Over a slab session's local channel (the default on the server's machine), or HTTP:
+# how a client's going away shows in the server's log.
+TRANSPORTS = {
+    "channel": (True, r"client \w+ \(local channel\) went away"),
+    "http": (False, r"client 127\.0\.0\.1:\d+ went away"),
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server, transport):
+    shared_memory, went_away = TRANSPORTS[transport]
     script = (
         "import sys; from genlm_backend.serve import RemoteLM\n"
-        "lm = RemoteLM(sys.argv[1]); print('connected', flush=True)\n"
+        f"lm = RemoteLM(sys.argv[1], shared_memory={shared_memory}); print('connected', flush=True)\n"
         "lm.batch_next_token_logprobs_sync([[5, t] for t in range(3)])\n"
     )
     with RemoteLM(gated_server.url) as survivor:
@@ -126,7 +136,7 @@ def test_a_client_that_disconnects_cancels_its_pending_requests(gated_server):
         try:
             wait_until(lambda: survivor.server_stats()[1].num_in_flight == 2, timeout_s=60)
             leaving.process.kill()
-            gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
+            gated_server.wait_for(went_away)
         finally:
             leaving.stop()
         gated_server.open_gate()
@@ -164,20 +174,22 @@ def test_a_server_that_dies_fails_the_client_once_and_is_used_again_when_back(re
         back.stop()
 
 
-def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_server_that_hangs_fails_the_client_after_its_read_timeout(gated_server, transport):
     """The gate stands for a hung server (or a dead network): the answer never comes."""
-    with RemoteLM(gated_server.url, read_timeout_s=2.0) as client:
+    shared_memory, went_away = TRANSPORTS[transport]
+    with RemoteLM(gated_server.url, read_timeout_s=2.0, shared_memory=shared_memory) as client:
         started = time.monotonic()
         with pytest.raises(ServerUnavailableError, match="no answer in time"):
             client.next_token_logprobs_sync([3])
         assert time.monotonic() - started < ERROR_DEADLINE_S
         assert client.runner.slab_name is None  # the server may still write into it: dropped
         # The client gave up and closed its connection: the server cancels the request.
-        gated_server.wait_for(r"client 127\.0\.0\.1:\d+ went away")
+        gated_server.wait_for(went_away)
         gated_server.open_gate()
         gated_server.wait_for("batch started: 1 rows")
         assert client.next_token_logprobs_sync([3]).shape == (256,)  # cached by the first batch
-        assert client.runner.slab_name is not None  # a new slab
+        assert (client.runner.slab_name is not None) == shared_memory  # a new slab
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -40,7 +40,18 @@ from genlm_backend.serve.asgi import (
     read_body,
     send_answer,
     send_open_answer,
+    too_large_message,
     wait_for_disconnect,
+)
+from genlm_backend.serve.channel import (
+    ERROR_ANSWER,
+    HELLO_ACCEPTED,
+    ROWS_ANSWER,
+    SLAB_ANSWER,
+    ChannelListener,
+    FrameTooLarge,
+    frame,
+    read_frame,
 )
 from genlm_backend.serve.endpoints import model_routes
 from genlm_backend.serve.gather import StepGather
@@ -91,6 +102,8 @@ class ServeApp:
         self._held_sessions: set[asyncio.Task] = set()
         self.sessions = SlabSessions(lm.vocab_size)
         self.gather = StepGather()
+        self._channel: asyncio.Future[ChannelListener] | None = None
+        self._channel_refusal: str | None = None
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
         self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))
@@ -172,8 +185,21 @@ class ServeApp:
     # ------------------------------------------------------------------ endpoints
 
     async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
-        self._counts["requests"] += 1
         body = await read_body(scope, receive, self.limits.max_body_bytes)
+        host, port = scope.get("client") or ("?", 0)
+        return await self._logprobs_answer(
+            body, lambda: wait_for_disconnect(receive), f"client {host}:{port}"
+        )
+
+    async def _logprobs_answer(
+        self, body: bytes, gone: Callable[[], Awaitable], who: str
+    ) -> tuple[bytes, str]:
+        """A ``/v1/logprobs`` body's answer and its content type, over HTTP or a local channel.
+
+        ``gone()`` ends when the client goes away (its request is then cancelled);
+        ``who`` names the client in the log. Raises ``Reject`` or ``ClientGone``.
+        """
+        self._counts["requests"] += 1
         try:
             request = protocol.decode_logprobs_request(body, self.limits)
         except RequestTooLargeError as exc:
@@ -184,7 +210,7 @@ class ServeApp:
         if rows is None:
             self._num_logprobs_in_flight += 1
             try:
-                rows = await self._until_gone_or_closing(self._gathered(request), scope, receive)
+                rows = await self._until_gone_or_closing(self._gathered(request), gone, who)
             finally:
                 self._num_logprobs_in_flight -= 1
         elif request.client is not None:
@@ -268,7 +294,14 @@ class ServeApp:
             await send_answer(send, 200, refusal, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
             return
         try:
-            accepted = protocol.pack({"accepted": True, "session": session, "reason": ""})
+            accepted = protocol.pack(
+                {
+                    "accepted": True,
+                    "session": session,
+                    "reason": "",
+                    "channel": await self._channel_address(),
+                }
+            )
             await send_open_answer(send, accepted, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
             await _first_of(wait_for_disconnect(receive), self._closing.wait())
             if self._closing.is_set():
@@ -278,10 +311,113 @@ class ServeApp:
             if client is not None and not self.sessions.has_client(client):
                 self.gather.forget(client)
 
-    async def _until_gone_or_closing(self, work: Awaitable, scope, receive):
-        """``work``'s result, unless the client goes away or the server closes first (then cancelled)."""
+    # ------------------------------------------------------------------ local channel
+
+    async def _channel_address(self) -> str:
+        """The local channel's address, listening from the first session on (``""``: none here)."""
+        if self._channel is None:
+            self._channel = asyncio.ensure_future(ChannelListener.start(self._serve_channel))
+        try:
+            listener = await asyncio.shield(self._channel)
+        except OSError as exc:
+            if self._channel_refusal is None:
+                self._channel_refusal = str(exc)
+                self._log(f"no local channel ({exc}): clients on this machine use HTTP")
+            return ""
+        return "" if self._closing.is_set() else listener.address
+
+    async def _serve_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        """One client's channel connection: its hello, then one answer per request frame."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._held_sessions.add(task)
+        try:
+            hello = await self._next_frame(reader)
+            if hello is None:
+                return
+            session, who = self._channel_session(hello)
+            if session is None:
+                writer.write(frame(ERROR_ANSWER + protocol.error_body("Unauthorized", who)))
+                await writer.drain()
+                return
+            writer.write(frame(HELLO_ACCEPTED))
+            while True:
+                try:
+                    body = await self._next_frame(reader)
+                except FrameTooLarge as exc:
+                    reject = Reject(
+                        "RequestTooLarge", too_large_message(exc.num_bytes, self._max_frame)
+                    )
+                    writer.write(frame(self._channel_error(reject)))
+                    continue
+                if body is None:
+                    return
+                self._in_flight.add(task)
+                try:
+                    answer = await self._channel_answer(body, reader, who)
+                finally:
+                    self._in_flight.discard(task)
+                if answer is None:
+                    return
+                writer.write(frame(answer))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, FrameTooLarge):
+            pass  # the client went away between requests, or sent an oversized hello
+        finally:
+            self._held_sessions.discard(task)
+            writer.close()
+
+    @property
+    def _max_frame(self) -> int:
+        return self.limits.max_body_bytes
+
+    async def _next_frame(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The next frame, ``None`` once the client closed or the server is closing."""
+        read = asyncio.ensure_future(read_frame(reader, self._max_frame))
+        await asyncio.wait({read, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            return None
+        return read.result()
+
+    def _channel_session(self, hello: bytes) -> tuple[str | None, str]:
+        """The open session a hello names, and the client's name for the log; else ``None``
+        and why."""
+        try:
+            session = protocol.unpack(hello).get("session")
+        except ValueError as exc:
+            return None, f"a malformed hello ({exc})"
+        client = self.sessions.client_of(session) if isinstance(session, str) else None
+        if client is None:
+            return None, "the hello names no open session of this server"
+        return session, f"client {client[:12]} (local channel)"
+
+    async def _channel_answer(
+        self, body: bytes, reader: asyncio.StreamReader, who: str
+    ) -> bytes | None:
+        """A request frame's answer frame; ``None``: the client went away."""
+        try:
+            if self._closing.is_set():
+                raise Reject("ShuttingDown", self._shutdown_message())
+            rows, content_type = await self._logprobs_answer(body, lambda: reader.read(1), who)
+        except Reject as reject:
+            return self._channel_error(reject)
+        except ClientGone:
+            return None
+        kind = SLAB_ANSWER if content_type == protocol.SLAB_CONTENT_TYPE else ROWS_ANSWER
+        return kind + rows
+
+    def _channel_error(self, reject: Reject) -> bytes:
+        self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
+        return ERROR_ANSWER + protocol.error_body(reject.kind, str(reject))
+
+    async def _until_gone_or_closing(
+        self, work: Awaitable, gone_wait: Callable[[], Awaitable], who: str
+    ):
+        """``work``'s result, unless the client goes away (``gone_wait()`` ends) or the server
+        closes first (then cancelled)."""
         compute = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(wait_for_disconnect(receive))
+        gone = asyncio.ensure_future(gone_wait())
         try:
             await asyncio.wait(
                 {compute, gone, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED
@@ -296,8 +432,7 @@ class ServeApp:
         if self._closing.is_set():
             raise Reject("ShuttingDown", self._shutdown_message())
         self._counts["cancelled"] += 1
-        host, port = scope.get("client") or ("?", 0)
-        self._log(f"client {host}:{port} went away: its request was cancelled")
+        self._log(f"{who} went away: its request was cancelled")
         raise ClientGone
 
     def _closing_watch(self) -> asyncio.Future:
@@ -325,6 +460,8 @@ class ServeApp:
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         self.sessions.close_all()
+        if self._channel is not None and self._channel.done() and not self._channel.exception():
+            self._channel.result().close()
         await self.lm.aclose()
 
     def _shutdown_message(self) -> str:

@@ -28,7 +28,7 @@ async def read_body(scope, receive, max_bytes: int) -> bytes:
     """The whole request body, refused past ``max_bytes`` (by its announced length when it has one)."""
     announced = dict(scope["headers"]).get(b"content-length")
     if announced is not None and announced.isdigit() and int(announced) > max_bytes:
-        raise Reject("RequestTooLarge", _too_large(int(announced), max_bytes))
+        raise Reject("RequestTooLarge", too_large_message(int(announced), max_bytes))
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -37,13 +37,14 @@ async def read_body(scope, receive, max_bytes: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
-            raise Reject("RequestTooLarge", _too_large(size, max_bytes))
+            raise Reject("RequestTooLarge", too_large_message(size, max_bytes))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
-def _too_large(num_bytes: int, max_bytes: int) -> str:
+def too_large_message(num_bytes: int, max_bytes: int) -> str:
+    """Why a request of ``num_bytes`` was refused."""
     return f"a request body of {num_bytes} bytes; this server takes at most {max_bytes}"
 
 

@@ -21,9 +21,10 @@ valid after the slab is closed or replaced, until the last view goes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import cast
 
 import torch
@@ -31,6 +32,7 @@ import urllib3
 
 from genlm_backend.errors import ServerUnavailableError
 from genlm_backend.serve import http, protocol
+from genlm_backend.serve.channel import HAS_UNIX_SOCKETS, ChannelClient, ChannelRefused
 from genlm_backend.serve.slab import Slab, SlabRefused, rows_view
 
 
@@ -81,8 +83,11 @@ class ClientSlab:
         answer: urllib3.BaseHTTPResponse,
         chunks: Generator[bytes, None, None],
         batch_rows: int,
+        channel: ChannelClient | None = None,
     ):
         self.slab = slab
+        self.channel = channel
+        """The session's local channel to the server (``None``: requests go over HTTP)."""
         self.session = session
         self.batch_rows = batch_rows
         """Rows of its scratch part: the most one batch may have."""
@@ -100,10 +105,15 @@ class ClientSlab:
         client: str,
         batch_rows: int,
         vocab_size: int,
+        read_timeout_s: float,
+        check_answer: Callable[[urllib3.BaseHTTPResponse], None] = lambda answer: None,
     ) -> ClientSlab:
         """Create a slab for batches of up to ``batch_rows`` rows and have the server at ``url`` map it.
 
         ``pool`` is a connection pool of its own (the session holds its one connection).
+        When the server offers its local channel (:mod:`~genlm_backend.serve.channel`), the
+        session connects to it; if that fails, its requests go over HTTP. ``check_answer``
+        raises for an answer from a server this client must not use (another model).
 
         Raises:
             SlabRefused: no shared memory here, or the server cannot map it (the
@@ -121,8 +131,13 @@ class ClientSlab:
         try:
             body = protocol.encode_slab_offer(client, slab.name, slab.nonce, capacity_rows)
             answer = http.send(pool, url, "POST", "/v1/session", body, preload_content=False)
-            session, chunks = _accepted_session(answer, url)
-            client_slab = cls(slab, session, pool, answer, chunks, batch_rows)
+            check_answer(answer)
+            session, chunks, address = _accepted_session(answer, url)
+            channel = None
+            if address and HAS_UNIX_SOCKETS:
+                with contextlib.suppress(ChannelRefused):
+                    channel = ChannelClient(address, session, url, read_timeout_s)
+            client_slab = cls(slab, session, pool, answer, chunks, batch_rows, channel)
         except BaseException:
             slab.close()
             slab.unlink()
@@ -130,6 +145,10 @@ class ClientSlab:
             raise
         slab.unlink()  # the server holds its mapping: the memory lives as long as one of ours
         return client_slab
+
+    def is_dropped(self) -> bool:
+        """Whether the server closed this session's local channel since the last batch."""
+        return self.channel is not None and self.channel.is_dropped()
 
     def region(self, num_rows: int) -> int:
         """The first row for a batch of ``num_rows``: a region now lent, else 0 (the scratch part)."""
@@ -158,6 +177,8 @@ class ClientSlab:
 
         Lent tensors stay valid: their views hold the second mapping until they go.
         """
+        if self.channel is not None:
+            self.channel.close()
         self._chunks.close()  # closes the session's connection: the server sees it go
         self._answer.close()
         self._pool.close()
@@ -167,8 +188,9 @@ class ClientSlab:
 
 def _accepted_session(
     answer: urllib3.BaseHTTPResponse, url: str
-) -> tuple[str, Generator[bytes, None, None]]:
-    """The session id of an accepted offer, and the open answer's reader.
+) -> tuple[str, Generator[bytes, None, None], str]:
+    """The session id of an accepted offer, the open answer's reader, and the server's local
+    channel (``""``: none).
 
     Raises:
         SlabRefused: the server refused the slab, or does not offer sessions.
@@ -193,4 +215,4 @@ def _accepted_session(
         raise SlabRefused(f"the server at {url} answered the offer with {exc}") from None
     if not fields.get("accepted"):
         raise SlabRefused(f"the server at {url} cannot map this client's slab: {fields['reason']}")
-    return str(fields["session"]), chunks
+    return str(fields["session"]), chunks, str(fields.get("channel") or "")

@@ -57,10 +57,16 @@ def send(
 
 def error_of(response: urllib3.BaseHTTPResponse, url: str) -> Exception:
     """The exception a non-200 answer stands for (its ``kind``), with the server's message."""
+    return error_of_fields(response.data, url, f"HTTP {response.status}")
+
+
+def error_of_fields(body: bytes | memoryview, url: str, via: str) -> Exception:
+    """The exception an error answer's ``{"kind", "message"}`` ``body`` stands for; ``via``
+    says how it came (``HTTP 400``, ``its local channel``)."""
     try:
-        fields = protocol.unpack(response.data)
+        fields = protocol.unpack(body)
         kind, message = str(fields["kind"]), str(fields["message"])
     except (ValueError, KeyError):
-        kind, message = "", response.data[:200].decode(errors="replace")
+        kind, message = "", bytes(body[:200]).decode(errors="replace")
     error_type = _ERRORS.get(kind, ServerUnavailableError)
-    return error_type(f"{message} (server {url}, HTTP {response.status})")
+    return error_type(f"{message} (server {url}, {via})")

@@ -23,9 +23,11 @@ Endpoints (all under ``/v1``):
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
   a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times
   ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
-  ``{"accepted": bool, "session": str, "reason": str}``. An accepted session's answer
-  stays open (chunked, nothing more is sent): the server keeps the slab mapped until
-  the client closes it (or dies), or the server shuts down.
+  ``{"accepted": bool, "session": str, "reason": str, "channel": str}``. An accepted
+  session's answer stays open (chunked, nothing more is sent): the server keeps the slab
+  mapped until the client closes it (or dies), or the server shuts down. ``channel``
+  (``""``: none) is the address of the server's local socket, over which the session's
+  ``/v1/logprobs`` requests go in frames instead (:mod:`~genlm_backend.serve.channel`).
 * ``POST /v1/lora``: ``{"op": "add" | "remove", "name": str, "path": str}``.
 * ``POST /v1/clear``: ``{"what": "all" | "kv"}``.
 * ``GET /v1/stats``: ``{"lm": LMStats fields, "server": ServeStats fields}``.
@@ -125,7 +127,7 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(body: bytes) -> dict:
+def unpack(body: bytes | memoryview) -> dict:
     """A msgpack map from ``body``.
 
     Raises:
@@ -339,7 +341,7 @@ def encode_rows(rows: Sequence[torch.Tensor]) -> bytes:
     return np.stack(arrays).astype("<f4", copy=False).tobytes()
 
 
-def decode_rows(content: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
+def decode_rows(content: bytes | memoryview, num_rows: int, vocab_size: int) -> torch.Tensor:
     """Bytes from :func:`encode_rows` -> a fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor.
 
     Raises:

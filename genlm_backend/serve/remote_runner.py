@@ -17,6 +17,7 @@ import urllib3
 from genlm_backend.errors import ServerModelChangedError, ServerUnavailableError
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
 from genlm_backend.serve import http, protocol
+from genlm_backend.serve.channel import ROWS_ANSWER, SLAB_ANSWER
 from genlm_backend.serve.client_slab import ClientSlab
 from genlm_backend.serve.server import TOKEN_ENV
 from genlm_backend.serve.slab import SlabRefused
@@ -63,6 +64,7 @@ class RemoteRunner:
         token = os.environ.get(TOKEN_ENV) if token is None else token
         self._headers = {protocol.TOKEN_HEADER: f"Bearer {token}"} if token else {}
         self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
+        self._read_timeout_s = read_timeout_s
         # Two connections: the model's worker thread's, and a caller's (stats, adapters).
         self._http = self._pool(maxsize=2)
         self.client_id = secrets.token_hex(16)
@@ -71,6 +73,8 @@ class RemoteRunner:
         self.vocab_size = 0
         self.max_rows = 1
         self.num_round_trips = 0
+        self.num_channel_round_trips = 0
+        """Round trips through the slab session's local channel (the others: HTTP)."""
         self.num_rows_lent = 0
         """Rows returned as views of the slab (no copy on this side)."""
         self._num_tokens_sent = 0
@@ -143,7 +147,7 @@ class RemoteRunner:
             slab_row=first_row,
         )
         try:
-            response = self._call("POST", "/v1/logprobs", body)
+            content_type, data = self._exchange(slab, body)
         except ServerUnavailableError:
             self._close_slab()  # the server may still write into it: never reuse it
             raise
@@ -152,9 +156,9 @@ class RemoteRunner:
                 slab.give_back(first_row, num_rows)  # an error answer: nothing was written
             raise
         self._num_tokens_sent += sum(map(len, contexts))
-        if response.headers.get("content-type") == protocol.SLAB_CONTENT_TYPE and slab is not None:
+        if content_type == protocol.SLAB_CONTENT_TYPE and slab is not None:
             try:
-                expected = _num_rows_in_slab(response, num_rows)
+                expected = _num_rows_in_slab(data, num_rows)
             except ValueError:
                 slab.give_back(first_row, num_rows)
                 raise
@@ -163,7 +167,30 @@ class RemoteRunner:
             return slab.read(first_row, expected)
         if slab is not None:
             self._close_slab()  # the server no longer holds it (it restarted): offer anew next time
-        return protocol.decode_rows(response.data, num_rows, self.vocab_size)
+        return protocol.decode_rows(data, num_rows, self.vocab_size)
+
+    def _exchange(
+        self, slab: ClientSlab | None, body: bytes
+    ) -> tuple[str | None, bytes | memoryview]:
+        """A ``/v1/logprobs`` request's answer: its content type and body, through the
+        slab's local channel when it has one, else over HTTP.
+
+        Raises:
+            ServerUnavailableError: as :meth:`_call`, or the channel closed.
+            ServerRejectedError, RequestTooLargeError, RemoteModelError, TypeError, ValueError:
+                the server's answer for this request.
+        """
+        if slab is None or slab.channel is None:
+            response = self._call("POST", "/v1/logprobs", body)
+            return response.headers.get("content-type"), response.data
+        kind, payload = slab.channel.call(body)
+        self.num_round_trips += 1
+        self.num_channel_round_trips += 1
+        if kind == SLAB_ANSWER:
+            return protocol.SLAB_CONTENT_TYPE, payload
+        if kind == ROWS_ANSWER:
+            return protocol.ROWS_CONTENT_TYPE, payload
+        raise http.error_of_fields(payload, self.url, "its local channel")
 
     def _slab_for(self, num_rows: int) -> ClientSlab | None:
         """This client's slab, offered (or replaced by a larger one) if needed; ``None``: use bodies.
@@ -173,12 +200,22 @@ class RemoteRunner:
         """
         if self.shared_memory_refusal is not None or num_rows > self.max_rows:
             return None
+        if self._slab is not None and self._slab.is_dropped():
+            self._close_slab()  # the server stopped or restarted since: offer anew
         if self._slab is not None and self._slab.batch_rows >= num_rows:
             return self._slab
         batch_rows = min(self.max_rows, 1 << (num_rows - 1).bit_length())
         pool = self._pool(maxsize=1)
         try:
-            slab = ClientSlab.offer(self.url, pool, self.client_id, batch_rows, self.vocab_size)
+            slab = ClientSlab.offer(
+                self.url,
+                pool,
+                self.client_id,
+                batch_rows,
+                self.vocab_size,
+                self._read_timeout_s,
+                self._check_model,
+            )
         except SlabRefused as exc:
             self.shared_memory_refusal = str(exc)
             self._close_slab()
@@ -241,13 +278,13 @@ def _adapter_fields(adapter: Adapter) -> dict:
     return {"name": adapter.name, "path": adapter.path}
 
 
-def _num_rows_in_slab(response: urllib3.BaseHTTPResponse, expected: int) -> int:
+def _num_rows_in_slab(answer: bytes | memoryview, expected: int) -> int:
     """The row count of a slab answer, checked against the request's.
 
     Raises:
         ValueError: the server wrote another number of rows.
     """
-    num_rows = protocol.unpack(response.data).get("num_rows")
+    num_rows = protocol.unpack(answer).get("num_rows")
     if num_rows != expected:
         raise ValueError(f"expected {expected} rows in the slab, the server wrote {num_rows!r}")
     return expected

@@ -55,6 +55,10 @@ class SlabSessions:
             slab.close()
         return self._clients.pop(session, None)
 
+    def client_of(self, session: str) -> str | None:
+        """The client an open session belongs to (``None``: no such session open)."""
+        return self._clients.get(session)
+
     def has_client(self, client: str) -> bool:
         """Whether ``client`` has a session open (it opens its next before closing its last)."""
         return client in self._clients.values()

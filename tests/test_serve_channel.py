@@ -1,0 +1,163 @@
+"""A slab session's local channel: ``/v1/logprobs`` frames on a Unix-domain socket.
+
+The server is ``serve_gated_server.py`` (a mock model over 256 byte tokens,
+ungated); rows are compared with an in-process ``MockAsyncLM`` over the same
+vocabulary, as float32 bytes. Faults of the channel's clients (disconnects,
+timeouts, a restarted server, shutdown) are in ``test_serve_faults.py``,
+which runs them over the channel and over HTTP.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import urllib3
+
+from genlm_backend import MockAsyncLM
+from genlm_backend.errors import RequestTooLargeError
+from genlm_backend.serve import RemoteLM, protocol
+from genlm_backend.serve.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
+from genlm_backend.serve.slab import Slab, rows_view
+from tests.serve_gated_server import BYTE_VOCAB
+from tests.serve_support import ServerProcess
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (HAS_UNIX_SOCKETS and Path("/dev/shm").is_dir()),
+        reason="Unix-domain sockets and POSIX shared memory",
+    ),
+    pytest.mark.timeout(120),
+]
+
+MAX_BODY_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return MockAsyncLM(byte_vocab=BYTE_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess.gated("--max-rows", "8", "--max-body-bytes", str(MAX_BODY_BYTES))
+    yield server
+    server.stop()
+
+
+def test_a_client_on_the_servers_machine_sends_its_batches_over_the_channel(server, reference):
+    contexts = [[9, token] for token in range(8)]
+    with RemoteLM(server.url) as lm:
+        rows = lm.batch_next_token_logprobs_sync(contexts)
+        assert lm.runner.num_channel_round_trips == 1
+        assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts))
+        row = lm.next_token_logprobs_sync([9, 200])
+        assert lm.runner.num_channel_round_trips == 2
+        assert torch.equal(row, reference.next_token_logprobs_sync([9, 200]))
+        with pytest.raises(RequestTooLargeError, match=r"a request body of .* at most 4096"):
+            lm.next_token_logprobs_sync(list(range(256)) * 5)  # a frame over the server's limit
+        row = lm.next_token_logprobs_sync([9, 201])  # the channel stays open
+        assert torch.equal(row, reference.next_token_logprobs_sync([9, 201]))
+        assert lm.runner.num_channel_round_trips == 4
+    with RemoteLM(server.url, shared_memory=False) as lm:
+        assert torch.equal(lm.batch_next_token_logprobs_sync(contexts), rows)
+        assert lm.runner.num_channel_round_trips == 0
+
+
+class Session:
+    """A slab session opened by hand: its slab, its id and the server's channel address."""
+
+    def __init__(self, url: str):
+        self.slab = Slab.create(4, len(BYTE_VOCAB))
+        self._pool = urllib3.connection_from_url(url, timeout=10, retries=False)
+        offer = protocol.encode_slab_offer("hand", self.slab.name, self.slab.nonce, 4)
+        self._answer = self._pool.request("POST", "/v1/session", body=offer, preload_content=False)
+        self._chunks = self._answer.read_chunked()
+        fields = protocol.unpack(next(self._chunks))
+        assert fields["accepted"], fields
+        self.id, self.channel = fields["session"], fields["channel"]
+        assert self.channel
+
+    def connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(self.channel)
+        return sock
+
+    def close(self) -> None:
+        self._answer.release_conn()
+        self._pool.close()
+        self.slab.close()
+        self.slab.unlink()
+
+
+@pytest.fixture
+def session(server):
+    session = Session(server.url)
+    yield session
+    session.close()
+
+
+def exchange(sock: socket.socket, payload: bytes) -> bytes:
+    sock.sendall(frame(payload))
+    return receive(sock)
+
+
+def receive(sock: socket.socket) -> bytes:
+    """One frame's payload; ``b""`` when the server closed the connection instead."""
+    header = sock.recv(LENGTH_BYTES, socket.MSG_WAITALL)
+    if not header:
+        return b""
+    length = int.from_bytes(header, "little")
+    return sock.recv(length, socket.MSG_WAITALL) if length else b""
+
+
+def error_of(answer: bytes) -> dict:
+    assert answer[:1] == b"E", answer[:80]
+    return msgpack.unpackb(answer[1:])
+
+
+def request(contexts, session: str, slab_row: int = 0) -> bytes:
+    return protocol.encode_logprobs_request(
+        contexts, [None] * len(contexts), client="hand", session=session, slab_row=slab_row
+    )
+
+
+@pytest.mark.parametrize(
+    "hello, reason",
+    [
+        (protocol.pack({"session": "0" * 32}), "names no open session"),
+        (protocol.pack({"other": 1}), "names no open session"),
+        (b"\xc1not msgpack", "malformed hello"),
+    ],
+    ids=["unknown-session", "no-session", "not-msgpack"],
+)
+def test_a_hello_without_an_open_session_is_refused_and_closed(session, hello, reason):
+    with session.connect() as sock:
+        error = error_of(exchange(sock, hello))
+        assert error["kind"] == "Unauthorized" and reason in error["message"]
+        assert receive(sock) == b""  # the server closed it
+
+
+def test_bad_frames_fail_for_their_request_and_the_channel_keeps_serving(session, reference):
+    with session.connect() as sock:
+        assert exchange(sock, protocol.pack({"session": session.id})) == b"O"
+        error = error_of(exchange(sock, b"\xc1 not a request"))
+        assert error["kind"] == "ValueError" and "malformed" in error["message"]
+        error = error_of(exchange(sock, request([[1, 300]], session.id)))
+        assert error["kind"] == "ValueError" and "300" in error["message"]
+        error = error_of(exchange(sock, b"x" * (MAX_BODY_BYTES + 1)))
+        assert error["kind"] == "RequestTooLarge", error
+        # A frame that answers: its rows in the session's slab, from the row asked.
+        answer = exchange(sock, request([[4, 5], [4, 6]], session.id, slab_row=2))
+        assert answer[:1] == b"S" and msgpack.unpackb(answer[1:]) == {"num_rows": 2}
+        rows = torch.from_numpy(rows_view(session.slab._shm.buf, len(BYTE_VOCAB), 2, 2).copy())
+        assert torch.equal(rows, reference.batch_next_token_logprobs_sync([[4, 5], [4, 6]]))
+        # Rows that do not fit the slab come in the frame.
+        answer = exchange(sock, request([[4, 7]], session.id, slab_row=4))
+        assert answer[:1] == b"R"
+        row = protocol.decode_rows(answer[1:], 1, len(BYTE_VOCAB))[0]
+        assert torch.equal(row, reference.next_token_logprobs_sync([4, 7]))
