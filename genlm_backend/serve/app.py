@@ -460,9 +460,14 @@ class ServeApp:
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         self.sessions.close_all()
-        if self._channel is not None and self._channel.done() and not self._channel.exception():
-            self._channel.result().close()
+        self._close_channel()  # its connections ended above
         await self.lm.aclose()
+
+    def _close_channel(self) -> None:
+        channel = self._channel
+        if channel is None or not channel.done() or channel.cancelled() or channel.exception():
+            return  # never listened
+        channel.result().close()
 
     def _shutdown_message(self) -> str:
         reason = f" ({self._closing_reason})" if self._closing_reason else ""
