@@ -9,6 +9,7 @@ which runs them over the channel and over HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -18,12 +19,15 @@ import torch
 import urllib3
 
 from genlm_backend import MockAsyncLM
-from genlm_backend.errors import RequestTooLargeError
+from genlm_backend.errors import RequestTooLargeError, ServerUnavailableError
 from genlm_backend.serve import RemoteLM, protocol
+from genlm_backend.serve import app as app_module
+from genlm_backend.serve.app import ServeApp
 from genlm_backend.serve.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
+from genlm_backend.serve.protocol import ServeLimits
 from genlm_backend.serve.slab import Slab, rows_view
 from tests.serve_gated_server import BYTE_VOCAB
-from tests.serve_support import ServerProcess
+from tests.serve_support import ServerProcess, in_thread, wait_until
 
 pytestmark = [
     pytest.mark.skipif(
@@ -161,3 +165,39 @@ def test_bad_frames_fail_for_their_request_and_the_channel_keeps_serving(session
         assert answer[:1] == b"R"
         row = protocol.decode_rows(answer[1:], 1, len(BYTE_VOCAB))[0]
         assert torch.equal(row, reference.next_token_logprobs_sync([4, 7]))
+
+
+def test_closing_a_channel_ends_the_call_waiting_on_it_and_cancels_its_request():
+    gated = ServerProcess.gated("--gated")
+    try:
+        with RemoteLM(gated.url) as lm:
+            gated.open_gate()  # for one batch
+            lm.next_token_logprobs_sync([1])  # the session and its channel are open
+            thread, outcome = in_thread(lm.next_token_logprobs_sync, [2])
+            wait_until(lambda: lm.server_stats()[1].num_in_flight == 1)  # held at the gate
+            channel = lm.runner._slab.channel  # type: ignore[union-attr]
+            channel.close()  # from this thread, while the call waits in the other
+            thread.join(timeout=30)
+            assert isinstance(outcome.get("error"), ServerUnavailableError), outcome
+            gated.wait_for(r"client \w+ \(local channel\) went away")
+    finally:
+        gated.open_gate()
+        gated.stop()
+
+
+def test_a_connection_that_never_names_its_session_is_closed(monkeypatch, reference):
+    monkeypatch.setattr(app_module, "HELLO_TIMEOUT_S", 0.0)
+    app = ServeApp(reference, ServeLimits(), log=lambda message: None)
+
+    async def serve_a_silent_connection() -> bool:
+        reader = asyncio.StreamReader()  # nothing ever comes
+        closed = asyncio.Event()
+
+        class Writer:
+            def close(self) -> None:
+                closed.set()
+
+        await app._serve_channel(reader, Writer())  # type: ignore[arg-type]
+        return closed.is_set()
+
+    assert asyncio.run(serve_a_silent_connection())

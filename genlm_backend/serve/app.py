@@ -46,6 +46,7 @@ from genlm_backend.serve.asgi import (
 from genlm_backend.serve.channel import (
     ERROR_ANSWER,
     HELLO_ACCEPTED,
+    HELLO_TIMEOUT_S,
     ROWS_ANSWER,
     SLAB_ANSWER,
     ChannelListener,
@@ -319,7 +320,7 @@ class ServeApp:
             self._channel = asyncio.ensure_future(ChannelListener.start(self._serve_channel))
         try:
             listener = await asyncio.shield(self._channel)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - e.g. no Unix sockets on this platform
             if self._channel_refusal is None:
                 self._channel_refusal = str(exc)
                 self._log(f"no local channel ({exc}): clients on this machine use HTTP")
@@ -332,7 +333,10 @@ class ServeApp:
         assert task is not None
         self._held_sessions.add(task)
         try:
-            hello = await self._next_frame(reader)
+            try:
+                hello = await asyncio.wait_for(self._next_frame(reader), HELLO_TIMEOUT_S)
+            except TimeoutError:
+                return  # a connection that never named its session
             if hello is None:
                 return
             session, who = self._channel_session(hello)
@@ -374,8 +378,12 @@ class ServeApp:
     async def _next_frame(self, reader: asyncio.StreamReader) -> bytes | None:
         """The next frame, ``None`` once the client closed or the server is closing."""
         read = asyncio.ensure_future(read_frame(reader, self._max_frame))
-        await asyncio.wait({read, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED)
-        if not read.done():
+        try:
+            await asyncio.wait({read, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: the hello's time is up, or the handler's end
+            read.cancel()
+            raise
+        if not read.done():  # closing
             read.cancel()
             return None
         return read.result()

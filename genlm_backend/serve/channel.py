@@ -31,6 +31,7 @@ tens of microseconds; a held batch's whole round trip is a few milliseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import select
@@ -52,6 +53,8 @@ SLAB_ANSWER = b"S"
 ROWS_ANSWER = b"R"
 ERROR_ANSWER = b"E"
 HELLO_ACCEPTED = b"O"
+HELLO_TIMEOUT_S = 10.0
+"""A connection that has not named its session by then is closed."""
 
 
 def frame(payload: bytes) -> bytes:
@@ -215,7 +218,13 @@ class ChannelClient:
         return bool(readable)
 
     def close(self) -> None:
-        """Close the connection (the server cancels a request in flight). Idempotent."""
+        """Close the connection (the server cancels a request in flight). Idempotent.
+
+        From another thread too: a call waiting for its answer there ends at once,
+        with ``ServerUnavailableError``.
+        """
+        with contextlib.suppress(OSError):  # not connected, or already closed
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
 
