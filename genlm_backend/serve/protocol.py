@@ -1,6 +1,7 @@
 """What travels between a ``genlm-backend serve`` server and a :class:`RemoteLM`, and its limits.
 
-HTTP/1.1, one POST per batch. Request bodies and small answers are msgpack
+HTTP/1.1, one POST per batch (or, for a client on the server's machine, a frame
+on its slab session's local channel: :mod:`~genlm_backend.serve.channel`). Request bodies and small answers are msgpack
 maps; token ids travel as ``int32`` little-endian bytes and log-probability
 rows as raw ``float32`` little-endian bytes, ``[rows, vocab]`` in C order
 (never as text). Every answer that is not rows is a msgpack map; a failure is

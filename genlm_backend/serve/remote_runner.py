@@ -27,8 +27,11 @@ class RemoteRunner:
     """A :class:`~genlm_backend.llm.runner.Runner` whose model is a ``genlm-backend serve`` server.
 
     Synchronous (it runs in the ``AsyncLM``'s worker thread or a ``*_sync``
-    caller's thread); each call is one HTTP request (urllib3) on a kept-alive
-    connection, reopened on the next call after a failure. Nothing is retried.
+    caller's thread); each call is one round trip: a frame each way on its
+    slab session's local channel (:mod:`~genlm_backend.serve.channel`) on the
+    server's machine, else one HTTP request (urllib3) on a kept-alive
+    connection; either is reopened on the next call after a failure. Nothing is
+    retried.
 
     Rows: on the server's machine, the server writes them into this client's
     shared-memory slab (:class:`~genlm_backend.serve.client_slab.ClientSlab`),
