@@ -185,9 +185,9 @@ def test_closing_a_channel_ends_the_call_waiting_on_it_and_cancels_its_request()
         gated.stop()
 
 
-def test_a_connection_that_never_names_its_session_is_closed(monkeypatch, reference):
+def test_a_connection_that_never_names_its_session_is_closed(monkeypatch):
     monkeypatch.setattr(app_module, "HELLO_TIMEOUT_S", 0.0)
-    app = ServeApp(reference, ServeLimits(), log=lambda message: None)
+    app = ServeApp(MockAsyncLM(byte_vocab=BYTE_VOCAB), ServeLimits(), log=lambda message: None)
 
     async def serve_a_silent_connection() -> bool:
         reader = asyncio.StreamReader()  # nothing ever comes
