@@ -58,6 +58,7 @@ HELLO_TIMEOUT_S = 10.0
 
 
 def frame(payload: bytes) -> bytes:
+    """``payload`` with its length before it, as it goes on the channel."""
     return len(payload).to_bytes(LENGTH_BYTES, "little") + payload
 
 
@@ -132,6 +133,8 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
 
 
 class FrameTooLarge(Exception):
+    """A frame over the server's ``max_body_bytes`` (read and dropped; the channel stays usable)."""
+
     def __init__(self, num_bytes: int):
         super().__init__(num_bytes)
         self.num_bytes = num_bytes
