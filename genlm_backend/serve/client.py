@@ -52,7 +52,9 @@ class RemoteLM(AsyncLM):
         timeout_s: Most seconds a request waits for company before its batch goes.
         output_cache_bytes: This client's own output cache (0 disables it).
         shared_memory: Offer the server shared memory for rows (used only if the
-            server runs on this machine; see :class:`RemoteRunner`).
+            server runs on this machine; see :class:`RemoteRunner`); its session also
+            carries the batches, over a local socket instead of HTTP. ``False``: HTTP
+            and rows in answer bodies.
 
     Raises:
         ServerUnavailableError: the server cannot be reached now.

@@ -51,7 +51,8 @@ class RemoteRunner:
         connect_timeout_s: Most seconds to open a connection.
         read_timeout_s: Most seconds to wait for an answer (a batch queued behind
             other clients' batches counts too).
-        shared_memory: Offer the server a shared-memory slab for rows.
+        shared_memory: Offer the server a shared-memory slab for rows (and use its
+            session's local channel for batches).
     """
 
     def __init__(
