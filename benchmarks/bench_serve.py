@@ -448,7 +448,7 @@ def report(runs: dict[str, list[dict]], trips: dict, args: argparse.Namespace) -
     total = NUM_PROCESSES * p * s
     if runs:
         rows = report_runs(runs, total, args)
-    print(f"\nround trip of one batch held in an output cache, median of {args.repeats}, in shuffled turns")
+    print(f"\nround trip of a batch held in an output cache, median of {args.repeats}, in turns")
     print(
         "| rows | served, shared memory (ms) | its runner alone (ms) | served, answer body (ms) "
         "| in-process (ms) | shared memory / in-process |"
