@@ -280,10 +280,11 @@ async def interleaved(calls, repeats: int) -> list[list[float]]:
     """Seconds per call of each of ``calls`` (coroutine functions), in turns on one event loop,
     each turn in a fresh order (seeded; warm-up excluded).
 
-    A call finds the caches as the call before it left them: in a fixed order,
-    the call after the answer-body one (which moves 12.6 MB through sockets)
-    took up to 1 ms longer for 64 rows than the same call after another. A
-    shuffled order gives every call each predecessor alike.
+    A call finds the caches as the calls before it left them: in a fixed order,
+    a served call of 64 rows right after the in-process and answer-body calls
+    (12.6 MB of other rows each) took up to 1 ms longer than the same call
+    right after one on its own rows. A shuffled order gives every call each
+    predecessor alike.
     """
     order = random.Random(0)
     times: list[list[float]] = [[] for _ in calls]
