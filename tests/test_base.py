@@ -501,6 +501,26 @@ def test_put_many_keeps_compact_copies_of_a_batch_s_rows_within_budget(device):
         torch.testing.assert_close(row, expected[i], atol=0, rtol=0)
 
 
+def test_get_many_is_get_for_each_key_in_order():
+    from genlm_backend.cache.output import OutputCache
+
+    one_by_one, together = OutputCache(maxsize=3), OutputCache(maxsize=3)
+    for cache in (one_by_one, together):
+        for name in "abc":
+            cache[name] = torch.full((4,), float(ord(name)))
+    keys = ["c", "x", "a", "a"]
+    expected = [one_by_one.get(key) for key in keys]
+    found = together.get_many(keys)
+    assert [row is None for row in found] == [False, True, False, False]
+    for row, want in zip(found, expected):
+        if want is not None:
+            torch.testing.assert_close(row, want, atol=0, rtol=0)
+    assert together.stats == one_by_one.stats  # 3 hits, 1 miss
+    for cache in (one_by_one, together):
+        cache["d"] = torch.zeros(4)  # evicts the least recently used: "b", not "c" or "a"
+    assert list(together._entries) == list(one_by_one._entries) == ["c", "a", "d"]
+
+
 # ---------------------------------------------------------------- lifecycle and errors
 
 

@@ -82,6 +82,25 @@ class OutputCache:
             device = self._devices.get(key)
             return value if device is None else value.to(device)
 
+    def get_many(self, keys: Sequence[Hashable]) -> list[torch.Tensor | None]:
+        """:meth:`get` for each of ``keys``, in order, under one acquisition of the lock."""
+        with self._lock:
+            entries = self._entries
+            values = [entries.get(key) for key in keys]
+            num_hits = 0
+            for key, value in zip(keys, values):
+                if value is not None:
+                    entries.move_to_end(key)
+                    num_hits += 1
+            self._num_hits += num_hits
+            self._num_misses += len(values) - num_hits
+            if not self._devices:
+                return values
+            return [
+                value if value is None or key not in self._devices else value.to(self._devices[key])
+                for key, value in zip(keys, values)
+            ]
+
     def put(self, key: Hashable, value: torch.Tensor) -> None:
         """Store ``value``, evicting least recently used entries to stay within budget."""
         self.put_many([(key, value)])

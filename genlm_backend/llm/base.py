@@ -278,7 +278,7 @@ class AsyncLM:
             requests = self._core.requests(contexts, lora_name, "token_ids_list")
             missing = list(range(len(requests)))
             # Rows in the output cache are read here: only the others go to the batcher, together.
-            rows = [self._core.cached(request) for request in requests]
+            rows = self._core.cached_many(requests)
         to_compute = [(i, request) for i, request in zip(missing, requests) if rows[i] is None]
         if not to_compute:
             return rows, False  # type: ignore[return-value]  # no None left

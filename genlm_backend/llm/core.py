@@ -184,7 +184,7 @@ class LMCore:
         self.check_open()
         adapter = self.adapters.resolve(lora_name)
         keys = [Request(adapter, context) for context in contexts]
-        rows = [self.output_cache.get(key) for key in keys]
+        rows = self.output_cache.get_many(keys)
         found = [key for key, row in zip(keys, rows) if row is not None]
         return rows, found
 
@@ -250,6 +250,12 @@ class LMCore:
             self._num_cache_hits += 1
         return row
 
+    def cached_many(self, requests: Sequence[Request]) -> list[torch.Tensor | None]:
+        """:meth:`cached` for each of ``requests``, in order."""
+        rows = self.output_cache.get_many(requests)
+        self._num_cache_hits += sum(row is not None for row in rows)
+        return rows
+
     # ------------------------------------------------------------------ computing
 
     def compute(self, requests: list[Request | ScoreRequest]) -> list[torch.Tensor | ValueError]:
@@ -262,19 +268,27 @@ class LMCore:
             self.check_open()
             current = [request for request in requests if self.adapters.is_current(request.adapter)]
             rows = [request for request in current if isinstance(request, Request)]
+            if rows and len(rows) == len(requests):  # the usual batch: rows, no adapter replaced
+                values = self.runner.run(rows).unbind(0)
+                self._count_batch(len(rows))
+                self.output_cache.put_many(list(zip(rows, values)))
+                return list(values)
             scores = [request for request in current if isinstance(request, ScoreRequest)]
             results: dict[Request | ScoreRequest, torch.Tensor] = {}
             if rows:
                 results.update(zip(rows, self.runner.run(rows).unbind(0)))
             if scores:
                 results.update(zip(scores, self.runner.score(scores)))
-            self._num_batches += 1
-            self._num_contexts_computed += len(current)
+            self._count_batch(len(current))
             self.output_cache.put_many([(request, results[request]) for request in rows])
         return [
             results[request] if request in results else _replaced_adapter_error(request)
             for request in requests
         ]
+
+    def _count_batch(self, num_contexts: int) -> None:
+        self._num_batches += 1
+        self._num_contexts_computed += num_contexts
 
     def score_now(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Scores computed in the calling thread, in model batches within the token budget.
@@ -297,11 +311,11 @@ class LMCore:
         Raises:
             ValueError: a request's adapter was replaced meanwhile.
         """
-        rows: dict[Request, torch.Tensor] = {}
-        for request in requests:
-            cached = self.cached(request)
-            if cached is not None:
-                rows[request] = cached
+        rows = {
+            request: row
+            for request, row in zip(requests, self.cached_many(requests))
+            if row is not None
+        }
         missing = [request for request in dict.fromkeys(requests) if request not in rows]
         chunks = self.batching.split(missing, self.request_tokens)
         for chunk in chunks:
