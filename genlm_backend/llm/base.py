@@ -1,14 +1,11 @@
-"""The one :class:`AsyncLM`: the contract every backend serves, and its batcher.
+"""The one :class:`AsyncLM`: the contract every backend serves, a thin front on its engine.
 
-The data path of one request::
-
-    next_token_logprobs(ids, lora_name) -> LMCore.requests (validate, resolve the adapter)
-        -> LMCore.cached (output cache) -> AutoBatcher -> worker thread: LMCore.compute
-        -> runner.run(requests) -> output cache -> clone
-
+A call validates its input and resolves its adapter here, then hands its
+requests to the :class:`~genlm_backend.llm.engine.Engine` (``rows``,
+``scores``; ``rows_now`` and ``scores_now`` for the synchronous calls), which
+batches them with every other waiting call and runs the backend's runner.
 The adapter is resolved once, at the call, and travels in the request: it is
-part of the batcher's, the output cache's and the KV tree's key. The
-``*_sync`` calls take the same path minus the batcher, in the calling thread.
+part of the engine's, the output cache's and the KV tree's key.
 """
 
 from __future__ import annotations
@@ -18,15 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
-from genlm_backend.batching import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    BatcherStats,
-    BatchingConfig,
-    LoopBatchers,
-)
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.errors import BackendClosedError
-from genlm_backend.llm.core import AdapterRegistry, LMCore, one_block
+from genlm_backend.llm.engine import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    AdapterRegistry,
+    BatchingConfig,
+    CpuThreads,
+    Engine,
+    EngineStats,
+)
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
@@ -37,15 +34,17 @@ from genlm_backend.llm.sampling import (
 )
 from genlm_backend.llm.stats import LMStats
 from genlm_backend.llm.validation import (
+    RecentContexts,
     TokenIds,
     as_list_of_contexts,
     validate_contexts,
+    validate_continuation,
     validate_token_ids,
 )
 
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
-DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB: ~1,300 rows of a 50k vocabulary
+DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB
 
 
 class AsyncLM:
@@ -66,17 +65,17 @@ class AsyncLM:
     names an adapter registered with :meth:`add_new_lora`; ``None`` means the
     default adapter, which is the base model unless :meth:`set_lora` chose one.
 
-    Concurrency: concurrent ``await``\\ s on one event loop are batched by an
-    :class:`~genlm_backend.batching.AutoBatcher`; model work runs in one worker
-    thread, so the loop stays responsive. The ``*_sync`` methods compute
-    directly in the calling thread and work with or without a running loop.
-    An object may serve several ``asyncio.run`` calls in turn.
+    Concurrency: concurrent ``await``\\ s on one event loop are batched by the
+    backend's :class:`~genlm_backend.llm.engine.Engine`, whose steps run in the
+    event loop's thread (see the engine's module for why, and for servers). The
+    ``*_sync`` methods compute directly in the calling thread and work with or
+    without a running loop. An object may serve several ``asyncio.run`` calls in turn.
 
     ``AsyncTransformer``, ``AsyncVirtualLM`` and ``MockAsyncLM`` build one
-    with their runner; ``AsyncLM(tokenizer, runner)`` takes any other. The
-    state every call shares (runner, output cache, adapters, compute lock,
-    counters) is one :class:`~genlm_backend.llm.core.LMCore`; this class is
-    the contract and the batcher in front of it.
+    with their runner; ``AsyncLM(tokenizer, runner)`` takes any other. This
+    class is the contract: it validates each call and hands its requests to
+    :attr:`engine`, which owns the runner, the output cache, the adapters and
+    the counters.
 
     Args:
         tokenizer: The model's Hugging Face tokenizer (``None`` with ``byte_vocab`` given).
@@ -84,13 +83,17 @@ class AsyncLM:
         batch_size: Most distinct contexts per model batch; ``None`` (default):
             no count limit, a batch takes every waiting context within ``max_batch_tokens``.
         timeout_s: Most seconds a request waits for company before its batch goes.
-        max_batch_tokens: Most context tokens (summed lengths) per model batch;
-            ``None`` for no budget. A longer context alone goes alone.
+        max_batch_tokens: Most tokens per model batch, as the runner counts them
+            (the part of each context it computes); ``None`` for no budget. A
+            longer context goes alone.
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
         byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.
         str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
+        cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
+            they get (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``:
+            steps keep the thread's own count.
     """
 
     def __init__(
@@ -106,10 +109,13 @@ class AsyncLM:
         device: str | torch.device = "cpu",
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
+        cpu_threads: str | None = None,
     ):
         self.batching = BatchingConfig(
             max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, timeout_s=timeout_s
         )
+        if cpu_threads not in (None, "auto"):
+            raise ValueError(f'cpu_threads must be "auto" or None, got {cpu_threads!r}')
         self.tokenizer = tokenizer
         if byte_vocab is None:
             from genlm_backend.tokenization import decode_vocab
@@ -120,49 +126,46 @@ class AsyncLM:
         self.byte_vocab = list(byte_vocab)
         self.str_vocab = list(str_vocab)
         self.device = torch.device(device)
-        self._core = LMCore(
-            len(self.byte_vocab),
-            max_context_length,
-            output_cache_bytes,
+        threads = None
+        if cpu_threads == "auto" and self.device.type == "cpu":
+            threads = CpuThreads(torch.get_num_threads())
+        self.engine = Engine(
             self.batching,
+            OutputCache(output_cache_bytes),
             owner=type(self).__name__,
+            cpu_threads=threads,
         )
+        """Where every call's requests go: see :class:`~genlm_backend.llm.engine.Engine`."""
+        self._max_context_length = max_context_length
+        self._contexts = RecentContexts(len(self.byte_vocab), max_context_length)
         if runner is not None:
             self.runner = runner
-        self.batchers: LoopBatchers[Request | ScoreRequest, torch.Tensor | ValueError] = (
-            LoopBatchers(
-                self._core.compute,
-                self.batching,
-                request_tokens=self._core.request_tokens,
-                thread_name="genlm-model",
-            )
-        )
 
     # ------------------------------------------------------------------ properties
 
     @property
     def runner(self) -> Runner:
         """What computes batches (a backend sets it once built)."""
-        return self._core.runner
+        return self.engine.runner
 
     @runner.setter
     def runner(self, runner: Runner) -> None:
-        self._core.runner = runner
+        self.engine.runner = runner
 
     @property
     def output_cache(self) -> OutputCache:
         """Result rows by request (LRU within ``output_cache_bytes``)."""
-        return self._core.output_cache
+        return self.engine.output_cache
 
     @property
     def adapters(self) -> AdapterRegistry:
         """The registered LoRA adapters and the default one."""
-        return self._core.adapters
+        return self.engine.adapters
 
     @property
     def max_context_length(self) -> int | None:
         """Longest accepted context (``None``: no limit)."""
-        return self._core.max_context_length
+        return self._max_context_length
 
     @property
     def vocab_size(self) -> int:
@@ -180,19 +183,95 @@ class AsyncLM:
         return self.batching.timeout_s
 
     @property
-    def batcher_stats(self) -> BatcherStats | None:
-        """The running event loop's batcher counters (``None`` outside a loop or before its first request)."""
-        return self.batchers.stats()
+    def batcher_stats(self) -> EngineStats | None:
+        """The running event loop's engine counters (``None`` outside a loop or before its first call)."""
+        return self.engine.stats()
 
     @property
     def is_closed(self) -> bool:
         """Whether :meth:`close` or :meth:`aclose` was called (later calls raise :class:`BackendClosedError`)."""
-        return self._core.is_closed
+        return self.engine.is_closed
 
     @property
     def stats(self) -> LMStats:
         """A snapshot of the counters (requests, batches, tokens requested and computed, bytes held)."""
-        return self._core.stats
+        counts, runner = self.engine.counts, self.runner.stats
+        return LMStats(
+            num_requests=counts["requests"],
+            num_batches=counts["batches"],
+            num_contexts_computed=counts["contexts"],
+            num_output_cache_hits=counts["cache_hits"],
+            num_tokens_requested=counts["tokens_requested"],
+            num_tokens_computed=runner.num_tokens_computed,
+            output_cache_bytes=self.output_cache.stats.bytes_held,
+            kv_cache_bytes=runner.kv_cache_bytes,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def requests(
+        self,
+        token_ids_list: Sequence[TokenIds],
+        lora_name: str | None = None,
+        argument: str | None = "token_ids_list",
+        positions: Sequence[int] | None = None,
+    ) -> list[Request]:
+        """Validate the adapter and every context, then count them: a rejected call counts nothing.
+
+        Errors name ``argument[i]``, the bad context's index in the call
+        (``positions[i]`` when given: the contexts are some of the call's), or
+        just the context when ``argument`` is ``None`` (single-context calls).
+
+        Raises:
+            TypeError, ValueError: a bad context or an unknown ``lora_name``.
+            BackendClosedError: the backend was closed.
+        """
+        self.engine.check_open()
+        adapter = self.adapters.resolve(lora_name)
+        validate = self._contexts.validate
+        requests = []
+        for index, token_ids in enumerate(token_ids_list):
+            try:
+                context, parent = validate(token_ids)
+            except (TypeError, ValueError) as exc:
+                if argument is None:
+                    raise
+                position = index if positions is None else positions[index]
+                raise type(exc)(f"{argument}[{position}]: {exc}") from None
+            requests.append(Request(adapter, context, parent))
+        self.engine.count_requests(requests)
+        return requests
+
+    def _score_requests(
+        self,
+        context: TokenIds,
+        continuations: list[TokenIds],
+        lora_name: str | None,
+        argument: str | None,
+    ) -> list[ScoreRequest]:
+        """Validate a context, its continuations and the adapter, then count them.
+
+        Errors name ``argument[i]``, the bad continuation's index (or just
+        the continuation when ``argument`` is ``None``).
+        """
+        self.engine.check_open()
+        adapter = self.adapters.resolve(lora_name)
+        prefix = validate_continuation(context, self.vocab_size, "context")
+        requests = []
+        for i, continuation in enumerate(continuations):
+            name = "continuation" if argument is None else f"{argument}[{i}]"
+            tokens = validate_continuation(continuation, self.vocab_size, name)
+            if (
+                self.max_context_length is not None
+                and len(prefix) + len(tokens) > self.max_context_length
+            ):
+                raise ValueError(
+                    f"context and {name} hold {len(prefix) + len(tokens)} tokens together, "
+                    f"more than the model's context of {self.max_context_length}"
+                )
+            requests.append(ScoreRequest(adapter, prefix, tokens))
+        self.engine.count_requests(requests)
+        return requests
 
     # ------------------------------------------------------------------ next-token rows
 
@@ -209,8 +288,9 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        (request,) = self._core.requests([token_ids], lora_name, argument=None)
-        return own_copy(await self._submit(request))
+        requests = self.requests([token_ids], lora_name, argument=None)
+        (row,) = await self.engine.rows(requests)
+        return own_copy(row)
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -219,131 +299,36 @@ class AsyncLM:
 
         Every context is validated before any is computed.
         """
-        rows, owned = await self._rows(token_ids_list, lora_name)
-        block = one_block(rows) if owned else None
-        return torch.stack(rows) if block is None else block
-
-    async def batch_rows(
-        self,
-        token_ids_list: Sequence[TokenIds],
-        lora_name: str | None = None,
-        *,
-        held_first: bool = False,
-    ) -> list[torch.Tensor]:
-        """:meth:`batch_next_token_logprobs`'s rows before they are stacked: the cached and
-        computed rows themselves, to be read, never changed (the server copies them once, into
-        a client's shared memory or its answer).
-
-        ``held_first``: the contexts are tuples of plain ints (as a server decodes
-        them), looked up in the output cache before they are validated; only the
-        others are validated. (A context a server already holds costs a lookup,
-        not a second check of ids its client checked.)
-        """
-        rows, _ = await self._rows(token_ids_list, lora_name, held_first=held_first)
-        return rows
-
-    def held_rows(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
-    ) -> list[torch.Tensor] | None:
-        """Every context's row from the output cache, counted as one call, or ``None`` (nothing
-        counted) when it lacks one: what :meth:`batch_rows` with ``held_first`` returns without
-        waiting, when it needs no model work.
-
-        Contexts as for ``held_first``: tuples of plain ints, those not held unchecked.
-
-        Raises:
-            ValueError: an unknown ``lora_name``.
-            BackendClosedError: the backend was closed.
-        """
-        rows, held = self._core.held_rows(as_list_of_contexts(token_ids_list), lora_name)
-        if len(held) < len(rows):
-            return None
-        self._core.count_requests(held, num_cache_hits=len(held))
-        return rows  # type: ignore[return-value]  # no None left
-
-    async def _rows(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None, *, held_first: bool = False
-    ) -> tuple[list[torch.Tensor], bool]:
-        """:meth:`batch_rows`, and whether they were all computed for this call alone."""
-        contexts = as_list_of_contexts(token_ids_list)
-        if held_first:
-            rows, held = self._core.held_rows(contexts, lora_name)
-            missing = [i for i, row in enumerate(rows) if row is None]
-            # Every context not held is validated before any is computed.
-            requests = self._core.requests(
-                [contexts[i] for i in missing], lora_name, "token_ids_list", positions=missing
-            )
-            self._core.count_requests(held, num_cache_hits=len(held))
-        else:
-            requests = self._core.requests(contexts, lora_name, "token_ids_list")
-            missing = list(range(len(requests)))
-            # Rows in the output cache are read here: only the others go to the batcher, together.
-            rows = self._core.cached_many(requests)
-        to_compute = [(i, request) for i, request in zip(missing, requests) if rows[i] is None]
-        if not to_compute:
-            return rows, False  # type: ignore[return-value]  # no None left
-        computed, owned = await self._batched(
-            lambda batcher: batcher.submit_many_owned([request for _, request in to_compute])
-        )
-        for (i, _), row in zip(to_compute, computed):
-            if isinstance(row, ValueError):
-                raise row
-            rows[i] = row
-        return rows, owned and len(to_compute) == len(rows)  # type: ignore[return-value]
-
-    async def _submit(self, request: Request) -> torch.Tensor:
-        cached = self._core.cached(request)
-        if cached is not None:
-            return cached
-        return await self._compute(request)
-
-    async def _compute(self, request: Request) -> torch.Tensor:
-        """``request``'s row from the batcher (not looked up in the output cache)."""
-        row = await self._batched(lambda batcher: batcher.submit(request))
-        if isinstance(row, ValueError):
-            raise row
-        return row
-
-    async def _batched(self, submit):
-        """``await submit(batcher)`` on the running loop's batcher; a closing backend's failure
-        reaches the caller as :class:`BackendClosedError`."""
-        try:
-            return await submit(self.batchers.current())
-        except Exception as exc:
-            # Whatever a closing backend made the batch fail with, the caller should learn why.
-            if self._core.is_closed and not isinstance(exc, BackendClosedError):
-                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
-            raise
+        requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
+        return torch.stack(await self.engine.rows(requests))
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
-        """Blocking :meth:`next_token_logprobs`, computed in the calling thread (no batcher).
+        """Blocking :meth:`next_token_logprobs`, computed in the calling thread.
 
         Works with or without a running event loop (a notebook cell, a callback).
         """
-        (request,) = self._core.requests([token_ids], lora_name, argument=None)
-        return self._core.compute_now([request])[0]
+        requests = self.requests([token_ids], lora_name, argument=None)
+        return own_copy(self.engine.rows_now(requests)[0])
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
-        requests = self._core.requests(
-            as_list_of_contexts(token_ids_list), lora_name, "token_ids_list"
-        )
-        return self._core.compute_now(requests)
+        requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
+        return torch.stack(self.engine.rows_now(requests))
 
     def next_token_logprobs_uncached(
         self, token_ids: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
         """One plain forward pass over the whole context: no batching, no cache read or written."""
-        self._core.check_open()
+        self.engine.check_open()
         request = Request(
             self.adapters.resolve(lora_name),
             validate_token_ids(token_ids, self.vocab_size, self.max_context_length),
         )
-        return self._core.run_uncached(request).to(self.device)
+        return self.engine.run_uncached(request).to(self.device)
 
     def cache_kv(self, prompt_tokens: TokenIds, lora_name: str | None = None) -> None:
         """Run ``prompt_tokens`` now, so later requests extending it start from its keys/values.
@@ -375,8 +360,9 @@ class AsyncLM:
                 :attr:`max_context_length`, or an unknown ``lora_name``.
             BackendClosedError: the backend was closed.
         """
-        (request,) = self._core.score_requests(context, [continuation], lora_name, None)
-        return (await self._submit_score(request)).clone()
+        requests = self._score_requests(context, [continuation], lora_name, None)
+        (scores,) = await self.engine.scores(requests)
+        return scores.to(self.device, copy=True)
 
     async def batch_continuation_logprobs(
         self,
@@ -389,18 +375,17 @@ class AsyncLM:
         Every continuation is validated before any is computed; the context's
         keys/values are computed once and shared.
         """
-        requests = self._core.score_requests(
+        requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        scores = await asyncio.gather(*map(self._submit_score, requests))
-        return [row.clone() for row in scores]
+        return [scores.to(self.device, copy=True) for scores in await self.engine.scores(requests)]
 
     def continuation_logprobs_sync(
         self, context: TokenIds, continuation: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`continuation_logprobs`, computed in the calling thread."""
-        requests = self._core.score_requests(context, [continuation], lora_name, None)
-        return self._core.score_now(requests)[0].to(self.device)
+        requests = self._score_requests(context, [continuation], lora_name, None)
+        return self.engine.scores_now(requests)[0].to(self.device, copy=True)
 
     def batch_continuation_logprobs_sync(
         self,
@@ -409,21 +394,10 @@ class AsyncLM:
         lora_name: str | None = None,
     ) -> list[torch.Tensor]:
         """Blocking :meth:`batch_continuation_logprobs`, computed in the calling thread."""
-        requests = self._core.score_requests(
+        requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        return [scores.to(self.device) for scores in self._core.score_now(requests)]
-
-    async def _submit_score(self, request: ScoreRequest) -> torch.Tensor:
-        try:
-            scores = await self.batchers.current().submit(request)
-        except Exception as exc:
-            if self._core.is_closed and not isinstance(exc, BackendClosedError):
-                raise BackendClosedError(f"this {type(self).__name__} was closed") from exc
-            raise
-        if isinstance(scores, ValueError):
-            raise scores
-        return scores.to(self.device)
+        return [scores.to(self.device, copy=True) for scores in self.engine.scores_now(requests)]
 
     # ------------------------------------------------------------------ sampling
 
@@ -497,7 +471,7 @@ class AsyncLM:
             ValueError: this backend cannot serve adapters (the message says why).
             ImportError: peft is missing (transformers backend).
         """
-        self._core.add_adapter(lora_path, lora_name)
+        self.engine.add_adapter(lora_path, lora_name)
 
     def remove_lora(self, lora_name: str) -> None:
         """Unload ``lora_name`` and drop exactly its cached results and keys/values.
@@ -505,7 +479,7 @@ class AsyncLM:
         Raises:
             ValueError: unknown ``lora_name``.
         """
-        self._core.remove_adapter(lora_name)
+        self.engine.remove_adapter(lora_name)
 
     def set_lora(self, lora_path=None, lora_name: str = "lora_1") -> None:
         """Make ``lora_name`` the default adapter: the one calls with ``lora_name=None`` run under.
@@ -529,11 +503,11 @@ class AsyncLM:
 
     def clear_cache(self) -> None:
         """Drop every cached result and reusable prefix; later results are recomputed."""
-        self._core.clear(rows=True)
+        self.engine.clear(rows=True)
 
     def clear_kv_cache(self) -> None:
         """Drop every retained key/value (results in the output cache stay)."""
-        self._core.clear(rows=False)
+        self.engine.clear(rows=False)
 
     def reset_async_queries(self) -> asyncio.Task | None:
         """Fail every pending request of the running event loop; later requests get a fresh batcher.
@@ -547,7 +521,7 @@ class AsyncLM:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return None
-        return loop.create_task(self.batchers.reset_current())
+        return loop.create_task(self.engine.reset())
 
     async def aclose(self) -> None:
         """Fail pending requests with :class:`BackendClosedError` and release the model.
@@ -556,18 +530,11 @@ class AsyncLM:
         still computing has finished, without blocking the event loop
         meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
         """
-        self._core.is_closed = True
-        await self.batchers.reset_current()
-        # A batch may still be computing in the worker thread (its callers have
-        # already failed): wait for it off the event loop, then release the model.
-        await asyncio.to_thread(self._core.wait_idle)
-        self.close()
+        await self.engine.aclose()
 
     def close(self) -> None:
         """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""
-        self._core.is_closed = True
-        self.batchers.shutdown()
-        self._core.close()
+        self.engine.close()
 
     def cleanup(self) -> None:
         """Same as :meth:`close`."""

@@ -5,8 +5,8 @@ sees every client's pending contexts at once and batches them together. The
 data path of one ``/v1/logprobs`` request::
 
     token check -> body (size-limited) -> decode + limits
-        -> every row in the output cache? lm.held_rows, at once
-           else: step gather -> lm.batch_rows (raced against the client's
+        -> every row in the output cache? rows.held_rows, at once
+           else: step gather -> rows.batch_rows (raced against the client's
            disconnect and the server's shutdown)
         -> rows into the client's slab, else float32 bytes
 
@@ -58,6 +58,7 @@ from genlm_backend.serve.endpoints import model_routes
 from genlm_backend.serve.gather import StepGather
 from genlm_backend.serve.info import model_info
 from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
+from genlm_backend.serve.rows import batch_rows, held_rows
 from genlm_backend.serve.sessions import SlabSessions
 from genlm_backend.serve.slab import SlabRefused
 from genlm_backend.serve.stats import ServeStats
@@ -90,7 +91,7 @@ class ServeApp:
     ):
         self.lm = lm
         # The loop must keep reading requests and disconnects while a batch computes.
-        lm.batchers.compute_in_loop = False
+        lm.engine.compute_in_loop = False
         self.limits = limits
         self._token = None if token is None else f"Bearer {token}".encode()
         self._log = log
@@ -229,7 +230,7 @@ class ServeApp:
         if request.uncached or len(names) != 1:
             return None
         try:
-            return self.lm.held_rows(request.contexts, names.pop())
+            return held_rows(self.lm, request.contexts, names.pop())
         except BackendClosedError:
             raise Reject("ShuttingDown", self._shutdown_message()) from None
         except (TypeError, ValueError) as exc:
@@ -265,7 +266,7 @@ class ServeApp:
             groups.setdefault(name, []).append(position)
         results = await asyncio.gather(
             *(
-                lm.batch_rows([request.contexts[i] for i in positions], name, held_first=True)
+                batch_rows(lm, [request.contexts[i] for i in positions], name)
                 for name, positions in groups.items()
             )
         )

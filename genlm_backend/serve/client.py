@@ -123,7 +123,7 @@ class RemoteLM(AsyncLM):
 
     def clear_kv_cache(self) -> None:
         """Drop the server's retained keys/values (results in both output caches stay)."""
-        with self._core.lock:
+        with self.engine.lock:
             self.runner.clear_server("kv")
 
 

@@ -45,7 +45,7 @@ import msgpack
 import numpy as np
 import torch
 
-from genlm_backend.batching.config import is_int
+from genlm_backend.llm.engine import is_int
 
 PROTOCOL_VERSION = 3
 TOKEN_HEADER = "authorization"

@@ -1,15 +1,16 @@
-"""AsyncTokenCharacterTrie: concurrent ``await weight_sum(ws)`` calls batched by the AutoBatcher."""
+"""AsyncTokenCharacterTrie: concurrent ``await weight_sum(ws)`` calls computed together in batches."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from genlm_backend.batching import AutoBatcher, BatcherStats, BatchingConfig, LoopBatchers
 from genlm_backend.errors import BatcherClosedError
+from genlm_backend.llm.engine import BatchingConfig, EngineStats, WaitingCalls
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
 
@@ -30,15 +31,16 @@ class AsyncTokenCharacterTrie:
     """Batches concurrent trie requests of one event loop into ``batch_weight_*`` calls.
 
     Requests are validated in the caller (a bad input fails only its caller),
-    then queued on an :class:`~genlm_backend.batching.AutoBatcher` (one per
-    running event loop, started by the first request or by :meth:`start`); a
-    batch runs in one worker thread, grouped by operation. A failing batch
-    fails exactly its requests; a cancelled caller leaves the others untouched.
+    then wait in the running loop's queue
+    (:class:`~genlm_backend.llm.engine.WaitingCalls`, started by the first
+    request or by :meth:`start`); a batch runs in one worker thread, grouped
+    by operation. A failing batch fails exactly its requests; a cancelled
+    caller leaves the others untouched.
 
     Lifecycle:
 
     * :meth:`cleanup` (async) and :meth:`shutdown` (sync) stop the running
-      loop's batcher: its pending requests raise
+      loop's queue: its pending requests raise
       :class:`~genlm_backend.errors.BatcherClosedError`, and the next request
       starts a new one.
     * :meth:`aclose` closes the trie for good: pending and later requests raise
@@ -51,7 +53,7 @@ class AsyncTokenCharacterTrie:
 
     Raises:
         ValueError: ``batch_size`` or ``timeout_s`` out of range (see
-            :class:`~genlm_backend.batching.BatchingConfig`).
+            :class:`~genlm_backend.llm.engine.BatchingConfig`).
     """
 
     def __init__(self, trie: TokenCharacterTrie, *, batch_size: int = 64, timeout_s: float = 0.02):
@@ -59,8 +61,9 @@ class AsyncTokenCharacterTrie:
         self.trie = trie
         self.batch_size = batch_size
         self.timeout_s = self.batching.timeout_s
-        self._batchers = self._new_batchers()
-        self._stopping: set[asyncio.Task] = set()
+        self._loops: dict[asyncio.AbstractEventLoop, tuple[WaitingCalls, asyncio.Task]] = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._num_threads = torch.get_num_threads()
         self._is_closed = False
 
     @classmethod
@@ -96,13 +99,11 @@ class AsyncTokenCharacterTrie:
             )
         return cls(trie, batch_size=batch_size, timeout_s=timeout_s)
 
-    def _new_batchers(self) -> LoopBatchers[_TrieRequest, object]:
-        return LoopBatchers(self._process_batch, self.batching, thread_name="genlm-trie")
-
     @property
-    def batcher_stats(self) -> BatcherStats | None:
-        """The running event loop's batcher counters (``None`` outside a loop or before its first request)."""
-        return self._batchers.stats()
+    def batcher_stats(self) -> EngineStats | None:
+        """The running event loop's counters (``None`` outside a loop or before its first request)."""
+        calls = self._running_calls()
+        return None if calls is None else calls.stats()
 
     @property
     def is_closed(self) -> bool:
@@ -110,13 +111,13 @@ class AsyncTokenCharacterTrie:
 
     @property
     def is_running(self) -> bool:
-        """Whether the running event loop has a started batcher (``False`` outside a loop)."""
-        return self._batchers.stats() is not None
+        """Whether the running event loop has a started queue (``False`` outside a loop)."""
+        return self._running_calls() is not None
 
     @property
-    def _task(self) -> BatcherStats | None:
+    def _task(self) -> EngineStats | None:
         """Truthy while :attr:`is_running`, ``None`` otherwise (the name upstream tests read)."""
-        return self._batchers.stats()
+        return self.batcher_stats
 
     async def weight_sum(self, ws):
         """``trie.weight_sum(ws)``, batched with concurrent requests.
@@ -127,7 +128,7 @@ class AsyncTokenCharacterTrie:
 
         Raises:
             TypeError, ValueError: invalid ``ws`` (raised before queueing).
-            BatcherClosedError: the trie was closed, or its batcher stopped, before the result.
+            BatcherClosedError: the trie was closed, or its queue stopped, before the result.
         """
         return await self._submit("sum", ws)
 
@@ -143,7 +144,9 @@ class AsyncTokenCharacterTrie:
         if self._is_closed:
             raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
         request = _TrieRequest(op, self.trie._check(ws, batched=False))
-        return await self._batcher().submit(request)
+        loop = asyncio.get_running_loop()
+        (value,) = await self._calls(loop).add([request], loop).future
+        return value
 
     async def _queue_request(self, ws, op: str) -> asyncio.Task:
         """Queue ``op`` (``"sum"``, ``"max"`` or ``"logsumexp"``) on ``ws``; a task to await.
@@ -155,11 +158,58 @@ class AsyncTokenCharacterTrie:
             raise ValueError(f"Unknown operation: {op!r}; must be one of {list(_OPS)}")
         return asyncio.ensure_future(self._submit(op, ws))
 
-    def _batcher(self) -> AutoBatcher:
-        """The running event loop's batcher."""
-        return self._batchers.current()
+    def _calls(self, loop: asyncio.AbstractEventLoop) -> WaitingCalls:
+        """The loop's queue, started (with its serve task) if it has none."""
+        entry = self._loops.get(loop)
+        if entry is None or entry[1].done():
+            for old in [old for old in self._loops if old.is_closed()]:
+                del self._loops[old]
+            calls: WaitingCalls = WaitingCalls(self.batching)
+            entry = self._loops[loop] = (calls, loop.create_task(self._serve(calls)))
+        return entry[0]
 
-    def _process_batch(self, requests: list[_TrieRequest]) -> list:
+    def _running_calls(self) -> WaitingCalls | None:
+        try:
+            entry = self._loops.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return None
+        return None if entry is None or entry[1].done() else entry[0]
+
+    async def _serve(self, calls: WaitingCalls) -> None:
+        """Take the waiting requests, compute a batch in the worker thread, settle them."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await calls.until_flush()
+                taken = calls.take()
+                if not taken:
+                    continue
+                batch = calls.missing(taken)[: self.batch_size]
+                try:
+                    values = await loop.run_in_executor(self._worker_thread(), self._compute, batch)
+                    found = dict(zip(batch, values))
+                    failed = False
+                except Exception as exc:  # noqa: BLE001 - fails exactly this batch's requests
+                    found, failed = dict.fromkeys(batch, exc), True
+                calls.counts["batches"] += 1
+                calls.counts["keys"] += len(batch)
+                calls.counts["failed"] += failed
+                calls.settle(taken, found)
+        except asyncio.CancelledError:
+            calls.fail_all(BatcherClosedError("the trie's queue was closed"))
+            raise
+
+    def _worker_thread(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="genlm-trie",
+                initializer=torch.set_num_threads,
+                initargs=(self._num_threads,),
+            )
+        return self._worker
+
+    def _compute(self, requests: list[_TrieRequest]) -> list:
         """Worker thread: one ``batch_weight_*`` call per operation present in the batch."""
         results: list = [None] * len(requests)
         for op in dict.fromkeys(request.op for request in requests):
@@ -173,7 +223,7 @@ class AsyncTokenCharacterTrie:
         return results
 
     def start(self) -> None:
-        """Start the running loop's batcher now rather than at the first request.
+        """Start the running loop's queue now rather than at the first request.
 
         Raises:
             RuntimeError: no running event loop.
@@ -181,30 +231,29 @@ class AsyncTokenCharacterTrie:
         """
         if self._is_closed:
             raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
-        self._batchers.current()
+        self._calls(asyncio.get_running_loop())
 
     async def cleanup(self) -> None:
-        """Stop the running loop's batcher; its pending requests raise
-        :class:`BatcherClosedError`. The next request starts a new batcher. Idempotent."""
-        await self._batchers.reset_current()
+        """Stop the running loop's queue; its pending requests raise
+        :class:`BatcherClosedError`. The next request starts a new one. Idempotent."""
+        entry = self._loops.pop(asyncio.get_running_loop(), None)
+        if entry is not None:
+            await _stop(*entry)
 
     def shutdown(self) -> None:
         """Synchronous :meth:`cleanup`, for every loop at once.
 
-        Batches running in the worker thread finish there; pending requests of
-        the running loop raise :class:`BatcherClosedError` once the loop runs
-        again (those of other loops when their batch is dispatched). The next
+        Batches running in the worker thread finish there; pending requests
+        raise :class:`BatcherClosedError` once their loop runs again. The next
         request starts afresh. Idempotent.
         """
-        old, self._batchers = self._batchers, self._new_batchers()
-        old.shutdown()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        task = loop.create_task(old.reset_current())
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        entries, self._loops = self._loops, {}
+        for loop, (_, task) in entries.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
 
     async def aclose(self) -> None:
         """Fail this loop's pending requests with :class:`BatcherClosedError`, as all later calls.
@@ -212,7 +261,8 @@ class AsyncTokenCharacterTrie:
         Idempotent.
         """
         self._is_closed = True
-        await self._batchers.aclose()
+        await self.cleanup()
+        self.shutdown()
 
     async def __aenter__(self) -> AsyncTokenCharacterTrie:
         return self
@@ -221,6 +271,15 @@ class AsyncTokenCharacterTrie:
         await self.aclose()
 
     def __del__(self) -> None:
-        batchers = getattr(self, "_batchers", None)
-        if batchers is not None:
-            batchers.shutdown()  # stops the worker thread; nothing to await here
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.shutdown(wait=False)  # stops the worker thread; nothing to await here
+
+
+async def _stop(calls: WaitingCalls, task: asyncio.Task) -> None:
+    calls.fail_all(BatcherClosedError("the trie's queue was closed"))
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

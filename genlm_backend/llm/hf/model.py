@@ -32,16 +32,17 @@ class AsyncTransformer(AsyncLM):
         batch_size: Most distinct contexts per forward pass; ``None`` (default):
             every waiting context within the ``max_batch_tokens`` budget.
         timeout: Most seconds a request waits for company (``timeout_s`` of
-            :class:`~genlm_backend.batching.BatchingConfig`).
+            :class:`~genlm_backend.llm.engine.BatchingConfig`).
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
-        compute_in_loop: Run batches in the event loop's thread, blocking it while
-            they compute, instead of a worker thread. On a CPU model in a process
-            of its own this makes decode steps about 20% faster (torch called
-            from one thread only; see :class:`~genlm_backend.batching.LoopBatchers`);
-            with several such processes on one machine it makes them fight for
-            the cores (docs: backends, "CPU threads"). Settable later as
-            ``llm.batchers.compute_in_loop``.
+        compute_in_loop: Run batches in the event loop's thread (the default),
+            blocking it while they compute, or in one worker thread (``False``),
+            as a server does; see :mod:`~genlm_backend.llm.engine`. Settable
+            later as ``llm.engine.compute_in_loop``.
+        cpu_threads: ``"auto"`` (default): on the CPU, steps adapt their torch
+            threads to the cores they get, so that processes sharing a machine
+            do not take the cores from one another
+            (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``: fixed.
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -59,7 +60,8 @@ class AsyncTransformer(AsyncLM):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
-        compute_in_loop: bool = False,
+        compute_in_loop: bool = True,
+        cpu_threads: str | None = "auto",
         **kwargs,
     ):
         window = attention_window(hf_model.config)
@@ -71,11 +73,12 @@ class AsyncTransformer(AsyncLM):
             timeout_s=timeout,
             output_cache_bytes=output_cache_bytes,
             device=hf_model.device,
+            cpu_threads=cpu_threads,
             **kwargs,
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
         self.runner = HFRunner(hf_model.eval(), self.kv_cache, self.vocab_size)
-        self.batchers.compute_in_loop = compute_in_loop
+        self.engine.compute_in_loop = compute_in_loop
 
     @property
     def model(self):

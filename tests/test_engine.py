@@ -1,0 +1,526 @@
+"""The engine: waiting calls, the flush points, the budget, the step, settling, failures, threads.
+
+Through ``MockAsyncLM`` (every value compared with a fresh uncached mock) with
+its runner wrapped by :class:`Recording`, which records each batch and may
+block or fail on demand; ``AsyncTransformer`` on a tiny model where the
+budget counts what a runner computes. Ordering is driven by events (the
+recording's gate and futures), never by sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+
+import pytest
+import torch
+
+from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
+from genlm_backend.llm import MockAsyncLM
+from genlm_backend.llm.engine import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    BatchingConfig,
+    CpuThreads,
+    WaitingCalls,
+)
+
+VOCAB = [bytes([b]) for b in range(32)]
+TOL = 1e-6
+LONG_S = 60.0  # a timeout no test waits for
+BOUND_S = 60.0  # a hang guard on each await: never reached by a correct build
+
+
+def bounded(awaitable):
+    return asyncio.wait_for(awaitable, BOUND_S)
+
+
+def reference(context) -> torch.Tensor:
+    return MockAsyncLM(byte_vocab=VOCAB, output_cache_bytes=0).next_token_logprobs_sync(
+        list(context)
+    )
+
+
+class Recording:
+    """Wraps an LM's runner: records each batch's contexts and thread; may block or fail."""
+
+    def __init__(self, llm, cost=None):
+        self.inner = llm.runner
+        llm.runner = self
+        self.batches: list[list[tuple[int, ...]]] = []
+        self.threads: list[threading.Thread] = []
+        self.cost = cost
+        self.gate: threading.Event | None = None
+        self.started: asyncio.Future | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.fail_on: tuple[int, ...] | None = None
+
+    def block(self) -> None:
+        """The next batches wait for :attr:`gate`; :attr:`started` is set when the first begins."""
+        self.loop = asyncio.get_running_loop()
+        self.gate = threading.Event()
+        self.started = self.loop.create_future()
+
+    def run(self, requests):
+        self.batches.append([request.context for request in requests])
+        self.threads.append(threading.current_thread())
+        if self.started is not None and self.loop is not None:
+            started, self.started = self.started, None
+            self.loop.call_soon_threadsafe(started.set_result, self.batches[-1])
+        if self.gate is not None and not self.gate.wait(BOUND_S):
+            raise TimeoutError("the test never opened the gate")
+        if self.fail_on is not None and self.fail_on in self.batches[-1]:
+            raise RuntimeError(f"cannot compute {self.fail_on}")
+        return self.inner.run(requests)
+
+    def request_tokens(self, request) -> int:
+        if self.cost is not None:
+            return self.cost(request.context)
+        return self.inner.request_tokens(request)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def make_llm(**options) -> MockAsyncLM:
+    return MockAsyncLM(byte_vocab=VOCAB, **options)
+
+
+def check_rows(rows, contexts) -> None:
+    assert len(rows) == len(contexts)
+    for row, context in zip(rows, contexts):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------- the config
+
+
+@pytest.mark.parametrize(
+    ("options", "field", "error_type"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size", ValueError),
+        ({"max_batch_size": -3}, "max_batch_size", ValueError),
+        ({"max_batch_size": 2.0}, "max_batch_size", TypeError),
+        ({"max_batch_size": True}, "max_batch_size", TypeError),
+        ({"max_batch_tokens": 0}, "max_batch_tokens", ValueError),
+        ({"max_batch_tokens": "64"}, "max_batch_tokens", TypeError),
+        ({"timeout_s": -0.1}, "timeout_s", ValueError),
+        ({"timeout_s": float("nan")}, "timeout_s", ValueError),
+        ({"timeout_s": float("inf")}, "timeout_s", ValueError),
+        ({"timeout_s": "0.1"}, "timeout_s", TypeError),
+        ({"timeout_s": None}, "timeout_s", TypeError),
+        ({"flush_on_idle": 1}, "flush_on_idle", TypeError),
+    ],
+)
+def test_rejects_a_bad_field_naming_it(options, field, error_type):
+    with pytest.raises(error_type, match=rf"^{field} must be") as error:
+        BatchingConfig(**options)
+    assert repr(next(iter(options.values()))) in str(error.value)
+
+
+def test_defaults_have_no_count_and_no_budget():
+    config = BatchingConfig()
+    assert (
+        config.max_batch_size,
+        config.max_batch_tokens,
+        config.timeout_s,
+        config.flush_on_idle,
+    ) == (
+        None,
+        None,
+        0.02,
+        True,
+    )
+
+
+def test_is_frozen_and_normalizes_timeout_to_float():
+    config = BatchingConfig(timeout_s=1)
+    assert isinstance(config.timeout_s, float) and config.timeout_s == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_batch_size = 3
+
+
+def test_without_limits_one_step_takes_everything():
+    assert BatchingConfig().next_batch_length([5] * 1000) == 1000
+
+
+def test_token_budget_cuts_in_arrival_order():
+    config = BatchingConfig(max_batch_tokens=10)
+    # 4 + 4 fit, + 4 would be 12 > 10; the 1 behind the third 4 waits for the next step
+    assert config.next_batch_length([4, 4, 4, 1]) == 2
+    assert config.next_batch_length([50, 1]) == 1  # over the budget: alone
+
+
+def test_count_and_budget_both_bound_a_step():
+    config = BatchingConfig(max_batch_size=3, max_batch_tokens=100)
+    assert config.next_batch_length([1] * 10) == 3  # count binds
+    assert config.next_batch_length([60, 60, 1]) == 1  # budget binds
+
+
+# ---------------------------------------------------------------- flush points and budget
+
+
+async def test_a_burst_of_calls_is_one_step_by_default():
+    llm = make_llm()
+    assert llm.batching == BatchingConfig(max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
+    recording = Recording(llm)
+    contexts = [(i % 32, i // 32) for i in range(150)]
+    rows = await bounded(asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts)))
+    assert recording.batches == [contexts]
+    check_rows(rows, contexts)
+    await llm.aclose()
+
+
+async def test_lock_step_particles_make_one_step_each():
+    llm = make_llm()
+    recording = Recording(llm)
+
+    async def particle(i: int) -> None:
+        context = [i]
+        for _ in range(4):
+            await llm.next_token_logprobs(context)
+            context.append(i)
+
+    await bounded(asyncio.gather(*(particle(i) for i in range(8))))
+    assert [len(batch) for batch in recording.batches] == [8, 8, 8, 8]
+    await llm.aclose()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_the_budget_cuts_steps_in_arrival_order_by_the_runner_s_count(mode):
+    llm = make_llm(max_batch_tokens=6)
+    recording = Recording(llm)  # the mock counts context lengths
+    contexts = [(1, 2, 3), (4, 5, 6), (7, 8), (9, 10, 11, 12), (13,)]
+    if mode == "async":
+        rows = await bounded(llm.batch_next_token_logprobs(contexts))
+    else:
+        rows = llm.batch_next_token_logprobs_sync(contexts)
+    assert recording.batches == [contexts[:2], contexts[2:4], contexts[4:]]  # 3+3 | 2+4 | 1
+    check_rows(rows, contexts)
+    await llm.aclose()
+
+
+async def test_a_request_over_the_budget_goes_alone_and_later_calls_follow_in_order():
+    llm = make_llm(max_batch_tokens=4)
+    recording = Recording(llm, cost=len)
+    long, short = (1,) * 9, [(2,), (3,), (4,), (5,), (6,)]
+    big = asyncio.ensure_future(llm.batch_next_token_logprobs([long, short[0]]))
+    singles = [asyncio.ensure_future(llm.next_token_logprobs(c)) for c in short[1:]]
+    check_rows(await bounded(big), [long, short[0]])
+    check_rows(await bounded(asyncio.gather(*singles)), short[1:])
+    assert recording.batches == [[long], short[:4], short[4:]]
+    await llm.aclose()
+
+
+async def test_an_explicit_batch_size_caps_each_step():
+    llm = make_llm(batch_size=4, max_batch_tokens=None, timeout_s=LONG_S)
+    recording = Recording(llm)
+    contexts = [(i,) for i in range(10)]
+    check_rows(await bounded(llm.batch_next_token_logprobs(contexts)), contexts)
+    assert recording.batches == [contexts[:4], contexts[4:8], contexts[8:]]
+    await llm.aclose()
+
+
+async def test_without_the_idle_flush_the_timeout_takes_a_lone_call():
+    llm = make_llm(timeout_s=0.0)
+    llm.batching = llm.engine.config = BatchingConfig(timeout_s=0.0, flush_on_idle=False)
+    recording = Recording(llm)
+    check_rows([await bounded(llm.next_token_logprobs([5]))], [(5,)])
+    assert recording.batches == [[(5,)]]
+    await llm.aclose()
+
+
+async def test_a_full_count_takes_the_calls_without_waiting_for_the_timeout():
+    llm = make_llm(batch_size=3, timeout_s=LONG_S)
+    llm.engine.config = BatchingConfig(max_batch_size=3, timeout_s=LONG_S, flush_on_idle=False)
+    recording = Recording(llm)
+    rows = await bounded(asyncio.gather(*(llm.next_token_logprobs([i]) for i in range(3))))
+    check_rows(rows, [(0,), (1,), (2,)])
+    assert recording.batches == [[(0,), (1,), (2,)]]
+    await llm.aclose()
+
+
+def test_a_failing_cost_fails_its_batch_only_and_the_engine_goes_on():
+    llm = make_llm(max_batch_tokens=10)
+
+    def cost(context):
+        if context == (13,):
+            raise KeyError("no cost for (13,)")
+        return 1
+
+    Recording(llm, cost=cost)
+
+    async def main():
+        bad = asyncio.ensure_future(llm.next_token_logprobs([13]))
+        with pytest.raises(KeyError, match="no cost"):
+            await bounded(bad)
+        return await bounded(llm.next_token_logprobs([7]))
+
+    check_rows([asyncio.run(main())], [(7,)])
+    llm.close()
+
+
+# ---------------------------------------------------------------- deduplication and settling
+
+
+@pytest.mark.parametrize("output_cache_bytes", [0, 1 << 20])
+async def test_identical_requests_of_one_step_are_computed_once(output_cache_bytes):
+    llm = make_llm(output_cache_bytes=output_cache_bytes)
+    recording = Recording(llm)
+    contexts = [[1, 2], [3], [1, 2], [3], [1, 2]]
+    rows = await bounded(
+        asyncio.gather(
+            *(llm.next_token_logprobs(c) for c in contexts),
+            llm.batch_next_token_logprobs([[3], [1, 2], [3]]),
+        )
+    )
+    assert recording.batches == [[(1, 2), (3,)]]
+    check_rows(rows[:5], contexts)
+    check_rows(list(rows[5]), [[3], [1, 2], [3]])
+    assert llm.batcher_stats.num_deduplicated == 6
+    await llm.aclose()
+
+
+@pytest.mark.parametrize("output_cache_bytes", [0, 1 << 20])
+async def test_a_request_arriving_while_its_context_computes_gets_that_computation_s_row(
+    output_cache_bytes,
+):
+    llm = make_llm(output_cache_bytes=output_cache_bytes)
+    llm.engine.compute_in_loop = False
+    recording = Recording(llm)
+    recording.block()
+    first = asyncio.ensure_future(llm.next_token_logprobs([4, 4]))
+    await bounded(recording.started)
+    second = asyncio.ensure_future(llm.batch_next_token_logprobs([[4, 4], [4, 5]]))
+    await asyncio.sleep(0)  # the call is made (ordering only)
+    assert llm.batcher_stats.num_pending == 2
+    recording.gate.set()
+    rows = await bounded(asyncio.gather(first, second))
+    check_rows([rows[0], *rows[1]], [(4, 4), (4, 4), (4, 5)])
+    assert recording.batches == [[(4, 4)], [(4, 5)]]
+    assert llm.stats.num_output_cache_hits == 0
+    await llm.aclose()
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+async def test_a_call_cancelled_before_its_step_is_never_computed():
+    llm = make_llm(timeout_s=LONG_S)
+    recording = Recording(llm)
+    doomed = asyncio.ensure_future(llm.next_token_logprobs([9]))
+    kept = asyncio.ensure_future(llm.next_token_logprobs([8]))
+    await asyncio.sleep(0)  # both calls made (ordering only)
+    doomed.cancel()
+    check_rows([await bounded(kept)], [(8,)])
+    assert recording.batches == [[(8,)]]
+    assert doomed.cancelled() and llm.batcher_stats.num_cancelled == 1
+    await llm.aclose()
+
+
+async def test_a_cancelled_caller_leaves_a_shared_request_to_the_others():
+    llm = make_llm(timeout_s=LONG_S)
+    recording = Recording(llm)
+    doomed = asyncio.ensure_future(llm.next_token_logprobs([6, 1]))
+    kept = asyncio.ensure_future(llm.batch_next_token_logprobs([[6, 1], [6, 2]]))
+    await asyncio.sleep(0)
+    doomed.cancel()
+    check_rows(list(await bounded(kept)), [(6, 1), (6, 2)])
+    assert recording.batches == [[(6, 1), (6, 2)]]
+    await llm.aclose()
+
+
+async def test_a_caller_cancelled_while_its_step_computes_leaves_the_others_their_rows():
+    llm = make_llm()
+    llm.engine.compute_in_loop = False
+    recording = Recording(llm)
+    recording.block()
+    doomed = asyncio.ensure_future(llm.next_token_logprobs([3, 3]))
+    kept = asyncio.ensure_future(llm.next_token_logprobs([3, 4]))
+    await bounded(recording.started)
+    doomed.cancel()
+    recording.gate.set()
+    check_rows([await bounded(kept)], [(3, 4)])
+    assert doomed.cancelled()
+    check_rows([await bounded(llm.next_token_logprobs([3, 3]))], [(3, 3)])
+    assert len(recording.batches) == 1  # the cancelled caller's row was kept in the cache
+    await llm.aclose()
+
+
+# ---------------------------------------------------------------- failures
+
+
+async def test_a_model_error_fails_exactly_its_step_s_calls_and_the_engine_goes_on():
+    llm = make_llm()
+    recording = Recording(llm)
+    recording.fail_on = (5,)
+    outcomes = await bounded(
+        asyncio.gather(
+            llm.next_token_logprobs([5]),
+            llm.batch_next_token_logprobs([[6], [5]]),
+            llm.next_token_logprobs([6]),
+            return_exceptions=True,
+        )
+    )
+    assert all(isinstance(outcome, RuntimeError) for outcome in outcomes)
+    recording.fail_on = None
+    check_rows([await bounded(llm.next_token_logprobs([6]))], [(6,)])
+    stats = llm.batcher_stats
+    assert (stats.num_failed_batches, stats.num_pending, stats.num_inflight) == (1, 0, 0)
+    await llm.aclose()
+
+
+class LoopBug(Exception):
+    """Stands for a bug in the engine's own serve loop."""
+
+
+async def test_a_dead_loop_fails_its_calls_with_the_cause_and_the_next_call_starts_afresh(
+    caplog,
+):
+    llm = make_llm(timeout_s=LONG_S)
+    Recording(llm)
+    bug = LoopBug("the serve loop broke")
+    state = llm.engine._loop_state(asyncio.get_running_loop())
+
+    def broken_take():
+        raise bug
+
+    state.calls.take = broken_take
+    outcomes = await bounded(
+        asyncio.gather(*(llm.next_token_logprobs([i]) for i in range(3)), return_exceptions=True)
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, BatcherWorkerDiedError) and outcome.__cause__ is bug
+    with caplog.at_level(logging.WARNING, logger="genlm_backend.llm.engine"):
+        check_rows([await bounded(llm.next_token_logprobs([1]))], [(1,)])
+    assert llm.engine.num_loop_restarts == 1
+    assert "restarting an engine loop" in caplog.text
+    await llm.aclose()
+
+
+async def test_reset_fails_waiting_calls_and_the_next_call_starts_afresh():
+    llm = make_llm(timeout_s=LONG_S, batch_size=100)
+    await llm.next_token_logprobs([1])
+    pending = asyncio.ensure_future(llm.next_token_logprobs([2]))
+    await asyncio.sleep(0)
+    await llm.reset_async_queries()
+    with pytest.raises(BatcherClosedError, match="closed"):
+        await bounded(pending)
+    check_rows([await bounded(llm.next_token_logprobs([2]))], [(2,)])
+    await llm.aclose()
+
+
+async def test_aclose_fails_computing_and_waiting_calls_at_once():
+    llm = make_llm()
+    llm.engine.compute_in_loop = False
+    recording = Recording(llm)
+    recording.block()
+    computing = asyncio.ensure_future(llm.next_token_logprobs([1]))
+    await bounded(recording.started)
+    waiting = asyncio.ensure_future(llm.next_token_logprobs([2]))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(llm.aclose())
+    for call in (computing, waiting):
+        with pytest.raises(BackendClosedError):
+            await bounded(call)
+    assert not closing.done()  # the model is released once the step has finished
+    recording.gate.set()
+    await bounded(closing)
+    with pytest.raises(BackendClosedError):
+        await llm.next_token_logprobs([3])
+
+
+# ---------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("in_loop", [True, False])
+async def test_steps_run_in_the_loop_s_thread_or_in_one_worker(in_loop):
+    llm = make_llm()
+    llm.engine.compute_in_loop = in_loop
+    recording = Recording(llm)
+    for i in range(3):
+        await bounded(llm.next_token_logprobs([i]))
+    threads = set(recording.threads)
+    assert len(threads) == 1
+    assert (threads == {threading.current_thread()}) == in_loop
+    await llm.aclose()
+
+
+def test_one_engine_serves_several_asyncio_runs_and_forgets_their_loops():
+    llm = make_llm()
+    for run in range(3):
+
+        async def main():
+            return await asyncio.gather(*(llm.next_token_logprobs([run, i]) for i in range(3)))
+
+        check_rows(asyncio.run(main()), [(run, i) for i in range(3)])
+    assert len(llm.engine._loops) == 1  # the finished runs' states were dropped
+    assert llm.stats.num_batches == 3
+    llm.close()
+
+
+def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
+    threads = CpuThreads(4)
+    for _ in range(5):
+        threads.judge(0.98)
+    assert threads.num_threads == 4
+    threads.judge(0.4)  # another process took the cores
+    assert threads.num_threads == 1
+    for _ in range(CpuThreads.FIRST_TRY_AFTER - 1):
+        threads.judge(1.0)
+    assert threads.num_threads == 1
+    threads.judge(1.0)
+    assert threads.num_threads == 4  # the try
+    threads.judge(0.5)  # still shared: back to one, the next try twice as late
+    assert threads.num_threads == 1
+    for _ in range(2 * CpuThreads.FIRST_TRY_AFTER - 1):
+        threads.judge(1.0)
+    assert threads.num_threads == 1
+    threads.judge(0.6)  # a step that did not get its core resets the count
+    for _ in range(2 * CpuThreads.FIRST_TRY_AFTER):
+        threads.judge(1.0)
+    assert threads.num_threads == 4
+    threads.judge(0.95)  # the try holds: the next fall starts over
+    threads.judge(0.1)
+    for _ in range(CpuThreads.FIRST_TRY_AFTER):
+        threads.judge(1.0)
+    assert threads.num_threads == 4
+    fixed = CpuThreads(4, adaptive=False)
+    fixed.observe((0.0, 0.0))
+    assert fixed.num_threads == 4 and not CpuThreads(1).adaptive
+
+
+def test_a_step_sets_the_computing_thread_s_torch_threads():
+    before = torch.get_num_threads()
+    llm = make_llm()
+    llm.engine.cpu_threads = CpuThreads(before)
+    llm.engine.cpu_threads.num_threads = 1
+    try:
+        llm.next_token_logprobs_sync([1, 2])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        llm.close()
+
+
+# ---------------------------------------------------------------- waiting calls
+
+
+async def test_waiting_calls_fill_in_over_steps_and_fail_on_an_error():
+    loop = asyncio.get_running_loop()
+    calls = WaitingCalls(BatchingConfig())
+    a = calls.add(["x", "y", "z"], loop)
+    b = calls.add(["y"], loop)
+    c = calls.add(["w"], loop)
+    taken = calls.take()
+    assert calls.missing(taken) == ["x", "y", "z", "w"]
+    calls.settle(taken, {"x": 1, "y": 2, "w": ValueError("no w")})
+    assert b.future.result() == [2]
+    assert isinstance(c.future.exception(), ValueError)
+    assert not a.future.done() and len(calls) == 1  # back in the queue, missing z
+    taken = calls.take()
+    assert taken == [a] and calls.missing(taken) == ["z"]
+    calls.settle(taken, {"z": 3})
+    assert a.future.result() == [1, 2, 3]
+    assert calls.stats().num_pending == 0
