@@ -140,30 +140,53 @@ def record_runner_outputs(llm) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("output_cache_bytes", [0, 1 << 20])
-async def test_a_batch_is_the_caller_s_own_tensor_whether_computed_joined_or_cached(
+async def test_a_batch_computed_for_its_caller_alone_is_the_runner_output_itself(
     output_cache_bytes,
 ):
     llm = make_llm(output_cache_bytes=output_cache_bytes)
     outputs = record_runner_outputs(llm)
     contexts = [[1, 2], [1, 3], [4]]
-    batch, joined = await asyncio.gather(
-        llm.batch_next_token_logprobs(contexts), llm.next_token_logprobs([1, 3])
-    )
+    batch = await llm.batch_next_token_logprobs(contexts)
     sync = llm.batch_next_token_logprobs_sync([[5, 6], [7]])
-    again = await llm.batch_next_token_logprobs(contexts)  # cached, or computed again
-    storages = {t.untyped_storage().data_ptr() for t in (batch, joined, sync, again)}
-    assert len(storages) == 4
-    assert not storages & {out.untyped_storage().data_ptr() for out in outputs}
-    for rows, batch_contexts in ((batch, contexts), (sync, [[5, 6], [7]]), (again, contexts)):
+    one = await llm.batch_next_token_logprobs([[8]])  # a one-row output: the cache copies it too
+    assert [r.data_ptr() for r in (batch, sync, one)] == [out.data_ptr() for out in outputs]
+    for rows, batch_contexts in ((batch, contexts), (sync, [[5, 6], [7]]), (one, [[8]])):
         expected = torch.stack([reference(context) for context in batch_contexts])
         torch.testing.assert_close(rows, expected, atol=TOL, rtol=0)
         rows.fill_(0.0)  # the caller's own: later results (cached or not) are unchanged
-    joined.fill_(0.0)
-    for context in contexts + [[5, 6], [7]]:
+    for context in contexts + [[5, 6], [7], [8]]:
         torch.testing.assert_close(
             await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
         )
     llm.close()
+
+
+async def test_a_batch_sharing_rows_with_other_callers_is_a_copy_of_its_own():
+    llm = make_llm(output_cache_bytes=0)
+    outputs = record_runner_outputs(llm)
+    for joiner in (
+        llm.next_token_logprobs([1, 3]),
+        llm.batch_next_token_logprobs([[1, 3]]),
+    ):
+        # The joiner's context is one of the batch's: one runner output of exactly its rows.
+        batch, joined = await asyncio.gather(
+            llm.batch_next_token_logprobs([[1, 2], [1, 3]]), joiner
+        )
+        assert outputs[-1].shape[0] == 2
+        assert batch.data_ptr() != outputs[-1].data_ptr()
+        batch.fill_(0.0)
+        torch.testing.assert_close(joined.reshape(-1), reference([1, 3]), atol=TOL, rtol=0)
+    # A batch with a cached row, or the same context twice, is stacked too.
+    cached = make_llm()
+    await cached.next_token_logprobs([1, 2])
+    outputs = record_runner_outputs(cached)
+    for batch_contexts in ([[1, 2], [4, 4]], [[5], [5]]):
+        rows = await cached.batch_next_token_logprobs(batch_contexts)
+        assert rows.data_ptr() != outputs[-1].data_ptr()
+        expected = torch.stack([reference(context) for context in batch_contexts])
+        torch.testing.assert_close(rows, expected, atol=TOL, rtol=0)
+    llm.close()
+    cached.close()
 
 
 # ---------------------------------------------------------------- input validation

@@ -300,7 +300,8 @@ class AsyncLM:
         Every context is validated before any is computed.
         """
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        return torch.stack(await self.engine.rows(requests))
+        rows, owned = await self.engine.rows_owned(requests)
+        return own_block(rows, owned)
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -310,14 +311,15 @@ class AsyncLM:
         Works with or without a running event loop (a notebook cell, a callback).
         """
         requests = self.requests([token_ids], lora_name, argument=None)
-        return own_copy(self.engine.rows_now(requests)[0])
+        rows, _ = self.engine.rows_now(requests)
+        return own_copy(rows[0])
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        return torch.stack(self.engine.rows_now(requests))
+        return own_block(*self.engine.rows_now(requests))
 
     def next_token_logprobs_uncached(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -564,3 +566,37 @@ def own_copy(row: torch.Tensor) -> torch.Tensor:
     if row.device.type == "cpu" and row.dtype == torch.float32 and not row.requires_grad:
         return torch.from_numpy(row.numpy().copy())
     return row.clone()
+
+
+def own_block(rows: Sequence[torch.Tensor], owned: bool) -> torch.Tensor:
+    """``[len(rows), V]`` for the caller to keep: the runner's output itself when the rows are
+    all of it, in order, and nobody else was handed them (``owned``); else a stacked copy."""
+    block = one_block(rows) if owned else None
+    return torch.stack(list(rows)) if block is None else block
+
+
+def one_block(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[len(rows), V]`` tensor whose rows ``rows`` are, all of them and in order; else ``None``.
+
+    A runner returns a fresh tensor per batch, and every other holder of its
+    rows copies them (the output cache stores compact copies, single-row
+    callers get :func:`own_copy`). So a batch call whose rows were computed
+    for it alone, as one runner output, returns that output itself instead
+    of a stacked copy of it.
+    """
+    base = rows[0]._base
+    if base is None or base.dim() != 2 or not base.is_contiguous():
+        return None
+    num_rows, width = base.shape
+    if num_rows != len(rows) or rows[0].shape != (width,):
+        return None
+    start, stride = base.storage_offset(), base.stride(0)
+    for index, row in enumerate(rows):
+        if (
+            row._base is not base
+            or row.storage_offset() != start + index * stride
+            or row.shape != (width,)
+            or row.stride() != (1,)
+        ):
+            return None
+    return base

@@ -153,9 +153,9 @@ class EngineStats:
     num_cancelled: int
     """Calls whose caller was cancelled before their values."""
     num_pending: int
-    """Requests of the calls waiting now."""
+    """Distinct requests the waiting calls need, those computing now aside."""
     num_inflight: int
-    """Requests of the calls a step is computing now."""
+    """Distinct requests of the calls a step is computing now."""
 
     @property
     def mean_batch_size(self) -> float:
@@ -174,6 +174,9 @@ class Call(Generic[K]):
     queued_at: float
     values: list = field(init=False)
     num_missing: int = field(init=False)
+    is_sole: bool = field(init=False, default=False)
+    """Set once settled: every value came from one step, to this call alone (nobody else was
+    handed them), so the caller may keep them without copying."""
 
     def __post_init__(self) -> None:
         self.values = [None] * len(self.keys)
@@ -260,15 +263,19 @@ class WaitingCalls(Generic[K]):
         the calls taken, and those that came while they computed. A call still missing some
         keys waits; the calls taken go back ahead of the others."""
         self.computing = []
+        live = [call for call in [*calls, *self._calls] if not call.future.done()]
+        self.counts["cancelled"] += sum(call.future.cancelled() for call in calls)
+        receivers = collections.Counter(
+            key for call in live for key in call.missing() if key in found
+        )
         waiting: list[Call[K]] = []
-        for call in [*calls, *self._calls]:
-            if call.future.done():  # cancelled, or failed by a close
-                self.counts["cancelled"] += call.future.cancelled()
-                continue
+        for call in live:
+            is_whole = call.num_missing == len(call.keys)
             error = _fill(call, found)
             if error is not None:
                 call.future.set_exception(error)
             elif call.num_missing == 0:
+                call.is_sole = is_whole and all(receivers[key] == 1 for key in call.keys)
                 call.future.set_result(call.values)
             else:
                 waiting.append(call)
@@ -300,6 +307,8 @@ class WaitingCalls(Generic[K]):
         self.computing = []
 
     def stats(self) -> EngineStats:
+        computing = {key for call in self.computing for key in call.missing()}
+        waiting = {key for call in self._calls if not call.future.done() for key in call.missing()}
         c = self.counts
         return EngineStats(
             num_requests=c["requests"],
@@ -308,8 +317,8 @@ class WaitingCalls(Generic[K]):
             num_batched_keys=c["keys"],
             num_failed_batches=c["failed"],
             num_cancelled=c["cancelled"] + sum(call.future.cancelled() for call in self._calls),
-            num_pending=self._num_keys,
-            num_inflight=sum(len(call.keys) for call in self.computing),
+            num_pending=len(waiting - computing),
+            num_inflight=len(computing),
         )
 
 
@@ -570,36 +579,54 @@ class Engine:
 
     async def computed(self, requests: Sequence[Request]) -> list[torch.Tensor]:
         """:meth:`rows` without looking in the output cache first (the caller did)."""
-        return await self._wait(requests)
+        rows, _ = await self._wait(requests)
+        return rows
+
+    async def rows_owned(self, requests: Sequence[Request]) -> tuple[list[torch.Tensor], bool]:
+        """:meth:`rows`, and whether they were all computed together for this call alone (no
+        cached row, no other caller handed them): the caller may then keep them uncopied."""
+        rows = self.cached_rows(requests)
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if not missing:
+            return rows, False  # type: ignore[return-value]  # no None left
+        computed, is_sole = await self._wait([requests[i] for i in missing])
+        for i, row in zip(missing, computed):
+            rows[i] = row
+        return rows, is_sole and len(missing) == len(rows)  # type: ignore[return-value]
 
     async def scores(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Each request's scores, ``float32 [len(continuation)]``, computed by a step; as :meth:`rows`."""
-        return await self._wait(requests)
+        scores, _ = await self._wait(requests)
+        return scores
 
-    def rows_now(self, requests: Sequence[Request]) -> list[torch.Tensor]:
-        """:meth:`rows`, computed in the calling thread: cached rows, then steps within the budget."""
+    def rows_now(self, requests: Sequence[Request]) -> tuple[list[torch.Tensor], bool]:
+        """:meth:`rows_owned`, computed in the calling thread: cached rows, then batches within the budget."""
         rows = self.cached_rows(requests)
         missing = list(dict.fromkeys(r for r, row in zip(requests, rows) if row is None))
-        found = self._compute_now(missing)
-        return [found[r] if row is None else row for r, row in zip(requests, rows)]
+        found, num_batches = self._compute_now(missing)
+        owned = num_batches == 1 and len(missing) == len(requests)
+        return [found[r] if row is None else row for r, row in zip(requests, rows)], owned
 
     def scores_now(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """:meth:`scores`, computed in the calling thread."""
-        found = self._compute_now(list(dict.fromkeys(requests)))
+        found, _ = self._compute_now(list(dict.fromkeys(requests)))
         return [found[request] for request in requests]
 
-    def _compute_now(self, todo: list) -> dict:
+    def _compute_now(self, todo: list) -> tuple[dict, int]:
+        """``{request: value}`` for distinct requests, and how many batches computed them."""
         found: dict = {}
+        num_batches = 0
         with self.lock:
             while todo:
                 self.check_open()
                 batch = self._within_budget(todo)
                 found.update(self._compute(batch))
                 todo = todo[len(batch) :]
+                num_batches += 1
         for value in found.values():
             if isinstance(value, BaseException):
                 raise value
-        return found
+        return found, num_batches
 
     def check_open(self) -> None:
         """Raises :class:`BackendClosedError` once the backend is closed."""
@@ -608,8 +635,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    async def _wait(self, keys: Sequence[Request | ScoreRequest]) -> list[torch.Tensor]:
-        """The keys' values, once the running loop's steps computed them."""
+    async def _wait(self, keys: Sequence[Request | ScoreRequest]) -> tuple[list, bool]:
+        """The keys' values once the running loop's steps computed them, and whether this call
+        alone was handed them (see :attr:`Call.is_sole`)."""
         self.check_open()
         loop = asyncio.get_running_loop()
         state = self._loop_state(loop)
@@ -619,7 +647,7 @@ class Engine:
         if state.task is None:
             state.task = loop.create_task(self._serve(state), name="genlm engine")
         try:
-            return await call.future
+            return await call.future, call.is_sole
         except Exception as exc:
             if self.is_closed and not isinstance(exc, BackendClosedError):
                 raise BackendClosedError(f"this {self._owner} was closed") from exc
@@ -654,6 +682,7 @@ class Engine:
                     )
                 calls.count_step(outcome)
                 calls.settle(taken, outcome.found)
+                del taken, todo, outcome  # rows (lent memory, say) live no longer than their callers
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError("this loop's queue was closed"))
             raise

@@ -186,15 +186,15 @@ class AsyncTokenCharacterTrie:
                     continue
                 batch = calls.missing(taken)[: self.batch_size]
                 try:
-                    values = await loop.run_in_executor(self._worker_thread(), self._compute, batch)
-                    found = dict(zip(batch, values))
-                    failed = False
+                    computing = loop.run_in_executor(self._worker_thread(), self._compute, batch)
+                    found, failed = dict(zip(batch, await computing)), False
                 except Exception as exc:  # noqa: BLE001 - fails exactly this batch's requests
                     found, failed = dict.fromkeys(batch, exc), True
                 calls.counts["batches"] += 1
                 calls.counts["keys"] += len(batch)
                 calls.counts["failed"] += failed
                 calls.settle(taken, found)
+                del taken, batch, found  # results live no longer than their callers
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError("the trie's queue was closed"))
             raise

@@ -61,8 +61,8 @@ async def test_bad_calls_fail_alone_among_concurrent_good_calls(llm_and_checker,
             figures.failed_as_intended += 1
     checker.flush()
     assert llm.stats.num_requests - requests_before == len(good)
-    batcher = llm.batchers.current()
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    stats = llm.batcher_stats
+    assert stats.num_pending == 0 and stats.num_inflight == 0
     figures.served += checker.num_checked
 
 

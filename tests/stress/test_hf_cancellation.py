@@ -111,7 +111,9 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
 async def test_random_fifth_cancelled_at_every_stage(llama_copy, stress_figures):
     model, reference_model, tokenizer = llama_copy
     figures = stress_figures("hf tiny-llama")
-    llm = AsyncTransformer(model, tokenizer, batch_size=BATCH_SIZE, output_cache_bytes=1 << 30)
+    llm = AsyncTransformer(
+        model, tokenizer, batch_size=BATCH_SIZE, output_cache_bytes=1 << 30, compute_in_loop=False
+    )
     checker = ReferenceChecker(reference_model, llm.vocab_size)
     rng = random.Random(0)
     history = fresh_contexts(rng, llm.vocab_size, 8)
@@ -136,7 +138,7 @@ async def test_cancelling_every_caller_of_a_computing_batch_leaves_the_backend_s
 ):
     model, reference_model, tokenizer = llama_copy
     figures = stress_figures("hf tiny-llama")
-    llm = AsyncTransformer(model, tokenizer, batch_size=8)
+    llm = AsyncTransformer(model, tokenizer, batch_size=8, compute_in_loop=False)
     checker = ReferenceChecker(reference_model, llm.vocab_size)
     contexts = fresh_contexts(random.Random(1), llm.vocab_size, 8)
     with ForwardGate(model) as gate:

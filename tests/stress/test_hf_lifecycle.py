@@ -30,7 +30,8 @@ HOLD_S = WAIT_S  # longest a gated forward waits: a hang guard, never reached by
 def llm_parts(llama_copy):
     """(a fresh AsyncTransformer over the private model copy, its model, a reference checker)."""
     model, reference_model, tokenizer = llama_copy
-    llm = AsyncTransformer(model, tokenizer, batch_size=8)
+    # Steps in a worker thread, as a server runs them: a held forward pass leaves the loop free.
+    llm = AsyncTransformer(model, tokenizer, batch_size=8, compute_in_loop=False)
     yield llm, model, ReferenceChecker(reference_model, llm.vocab_size)
     llm.close()
 
@@ -79,8 +80,8 @@ async def test_sync_calls_inside_a_running_loop_while_async_calls_are_pending(
         checker.add(context, outcome)
     checker.flush()
     figures.served = checker.num_checked
-    batcher = llm.batchers.current()
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    stats = llm.batcher_stats
+    assert stats.num_pending == 0 and stats.num_inflight == 0
 
 
 def test_a_run_ended_while_its_batch_computes_leaves_the_backend_usable(llm_parts, stress_figures):
@@ -119,7 +120,6 @@ async def test_aclose_fails_computing_and_queued_requests_at_once(llm_parts, str
         gate.hold_next()
         tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in computing]
         await gate.wait_entered()
-        batcher = llm.batchers.current()
         tasks += [asyncio.create_task(llm.next_token_logprobs(c)) for c in queued]
         await asyncio.sleep(0)
         closing = asyncio.create_task(llm.aclose())
@@ -130,8 +130,7 @@ async def test_aclose_fails_computing_and_queued_requests_at_once(llm_parts, str
         gate.release()
         await asyncio.wait_for(closing, HOLD_S)
     assert not gate.timed_out
-    assert batcher.is_closed
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    assert llm.is_closed and llm.batcher_stats is None  # nothing left waiting
     await assert_closed(llm, computing[0])
     figures.failed_as_intended += 4
 

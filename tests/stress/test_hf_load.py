@@ -138,8 +138,8 @@ async def test_two_thousand_particle_calls_are_exact_and_stay_within_budgets(
         assert heap_peak_bytes <= MEMORY_BUDGET_BYTES, f"heap grew {heap_peak_bytes / MIB:.0f} MiB"
     for tensors in retained:
         assert tensors <= KV_BUDGET_BYTES + OUTPUT_BUDGET_BYTES + SMALL_TENSORS_BYTES, retained
-    batcher = llm.batchers.current()
-    assert batcher.stats.num_pending == 0 and batcher.stats.num_inflight == 0
+    stats = llm.batcher_stats
+    assert stats.num_pending == 0 and stats.num_inflight == 0
 
     figures.served, figures.max_error = checker.num_checked, checker.max_error
     figures.peak_rss_growth_bytes = max(peaks)
