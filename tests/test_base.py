@@ -143,7 +143,8 @@ def record_runner_outputs(llm) -> list[torch.Tensor]:
 async def test_a_batch_computed_for_its_caller_alone_is_the_runner_output_itself(
     output_cache_bytes,
 ):
-    llm = make_llm(output_cache_bytes=output_cache_bytes)
+    # A cache that keeps copies (as a server's client does: its rows are lent memory).
+    llm = make_llm(output_cache_bytes=output_cache_bytes, output_cache_views=False)
     outputs = record_runner_outputs(llm)
     contexts = [[1, 2], [1, 3], [4]]
     batch = await llm.batch_next_token_logprobs(contexts)
@@ -161,8 +162,26 @@ async def test_a_batch_computed_for_its_caller_alone_is_the_runner_output_itself
     llm.close()
 
 
+async def test_a_batch_is_a_copy_when_the_output_cache_holds_views_of_the_runner_output():
+    llm = make_llm()  # the default: the cache holds the batch's rows as views, uncopied
+    outputs = record_runner_outputs(llm)
+    contexts = [[1, 2], [1, 3], [4]]
+    batch = await llm.batch_next_token_logprobs(contexts)
+    sync = llm.batch_next_token_logprobs_sync([[5, 6], [7]])
+    assert {r.data_ptr() for r in (batch, sync)}.isdisjoint(o.data_ptr() for o in outputs)
+    held = llm.output_cache.get(Request(None, (1, 3)))
+    assert held.untyped_storage().data_ptr() == outputs[0].data_ptr()  # no copy made
+    batch.fill_(0.0)
+    sync.fill_(0.0)
+    for context in contexts + [[5, 6], [7]]:
+        torch.testing.assert_close(
+            await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
+        )
+    llm.close()
+
+
 async def test_a_batch_sharing_rows_with_other_callers_is_a_copy_of_its_own():
-    llm = make_llm(output_cache_bytes=0)
+    llm = make_llm(output_cache_bytes=0, output_cache_views=False)
     outputs = record_runner_outputs(llm)
     for joiner in (
         llm.next_token_logprobs([1, 3]),
@@ -177,7 +196,7 @@ async def test_a_batch_sharing_rows_with_other_callers_is_a_copy_of_its_own():
         batch.fill_(0.0)
         torch.testing.assert_close(joined.reshape(-1), reference([1, 3]), atol=TOL, rtol=0)
     # A batch with a cached row, or the same context twice, is stacked too.
-    cached = make_llm()
+    cached = make_llm(output_cache_views=False)
     await cached.next_token_logprobs([1, 2])
     outputs = record_runner_outputs(cached)
     for batch_contexts in ([[1, 2], [4, 4]], [[5], [5]]):
@@ -416,12 +435,42 @@ async def test_clear_cache_forces_recomputation(llm):
     torch.testing.assert_close(again, first, atol=TOL, rtol=0)
 
 
-async def test_output_cache_holds_only_the_rows_it_accounts_for(llm):
+async def test_output_cache_counts_the_whole_block_its_rows_keep_alive(llm):
     await llm.batch_next_token_logprobs([[1], [2], [3], [4]])
-    for context in ([1], [2], [3], [4]):
-        row = llm.output_cache.get(Request(None, tuple(context)))
-        # A row that is a view of its whole batch would keep [B, V] alive for V floats of budget.
-        assert row.untyped_storage().nbytes() == V * row.element_size()
+    rows = [llm.output_cache.get(Request(None, (t,))) for t in (1, 2, 3, 4)]
+    (address,) = {row.untyped_storage().data_ptr() for row in rows}  # one block, uncopied
+    assert llm.output_cache.stats.bytes_held == rows[0].untyped_storage().nbytes() == 4 * V * 4
+    await llm.next_token_logprobs([5])  # a block of its own
+    assert llm.output_cache.stats.bytes_held == 5 * V * 4
+
+
+def test_a_kept_block_leaves_the_budget_with_its_last_row():
+    from genlm_backend.cache.output import OutputCache
+
+    first, second = torch.randn(4, 50), torch.randn(2, 50)
+    cache = OutputCache(6 * 50 * 4, keep_views=True)  # room for both blocks, no more
+    cache.put_many([(("a", i), row) for i, row in enumerate(first.unbind(0))])
+    cache.put_many([(("b", i), row) for i, row in enumerate(second.unbind(0))])
+    assert cache.stats.bytes_held == 6 * 50 * 4 and len(cache) == 6
+    cache.get(("a", 0))  # least recent first now: a1, a2, a3, b0, b1, a0
+    cache.put(("c", 0), torch.randn(50))  # a block of one more row
+    # Evicting a1..a3 and b0 frees nothing (a0 keeps the first block, b1 the second);
+    # evicting b1 frees the second block, and then c0 fits.
+    assert list(cache._entries) == [("a", 0), ("c", 0)]
+    assert cache.stats.bytes_held == 5 * 50 * 4 and cache.stats.num_evictions == 5
+    torch.testing.assert_close(cache[("a", 0)], first[0], atol=0, rtol=0)
+
+
+def test_a_block_larger_than_the_budget_is_not_kept_its_rows_are_copied():
+    from genlm_backend.cache.output import OutputCache
+
+    block = torch.randn(8, 50)
+    cache = OutputCache(3 * 50 * 4, keep_views=True)
+    cache.put_many([(i, row) for i, row in enumerate(block.unbind(0))])
+    assert [i for i in range(8) if i in cache] == [5, 6, 7]
+    for i in (5, 6, 7):
+        assert cache[i].untyped_storage().nbytes() == 50 * 4
+        torch.testing.assert_close(cache[i], block[i], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -25,10 +25,18 @@ class OutputCacheStats:
 class OutputCache:
     """Least-recently-used map from a request key to a result tensor, within a byte budget.
 
-    Thread-safe: the event loop reads while the model's worker thread writes.
-    The cache stores the tensors it is given (a view is stored as a compact
-    copy, so the budget counts every byte it keeps alive); callers must clone
-    before handing a cached tensor to user code.
+    Thread-safe. Callers must copy before handing a cached tensor to user code.
+
+    What it stores of a tensor it is given:
+
+    * by default a compact copy of a view (e.g. one row of a ``[B, V]`` batch),
+      so that the budget counts every byte the cache keeps alive and the
+      batch's tensor stays the caller's to change;
+    * with ``keep_views``, the view itself, its whole base tensor (the *block*)
+      counted once while any of its rows is held: a batch's rows cost no copy.
+      The block is freed, and its bytes leave the count, when its last row is
+      evicted. Nobody may change a block whose rows the cache holds; a block
+      larger than the budget is never held (its rows are copied).
 
     Also a mapping, as upstream genlm-backend's cache: ``cache[key] = tensor``,
     ``cache[key]`` (``KeyError`` when absent), ``key in cache``.
@@ -39,6 +47,7 @@ class OutputCache:
             ``None``: no byte limit (give ``maxsize``).
         maxsize: Most entries held, ``None`` for no count limit.
         move_to_cpu: Hold tensors in CPU memory and return them on the device they came from.
+        keep_views: Hold views of their blocks instead of copies (see above).
 
     Raises:
         ValueError: negative budget or maxsize, or neither limit given.
@@ -50,6 +59,7 @@ class OutputCache:
         *,
         maxsize: int | None = None,
         move_to_cpu: bool = False,
+        keep_views: bool = False,
     ):
         if budget_bytes is None and maxsize is None:
             raise ValueError("give budget_bytes or maxsize")
@@ -60,27 +70,17 @@ class OutputCache:
         self.budget_bytes = float("inf") if budget_bytes is None else int(budget_bytes)
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
+        self.keep_views = keep_views
         self._devices: dict[Hashable, torch.device] = {}  # of entries moved to the CPU
         self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._blocks: dict[int, list[int]] = {}  # storage address -> [bytes, rows held]
         self._bytes_held = 0
         self._lock = threading.Lock()
         self._num_hits = self._num_misses = self._num_evictions = 0
 
-    @staticmethod
-    def _nbytes(value: torch.Tensor) -> int:
-        return value.numel() * value.element_size()
-
     def get(self, key: Hashable) -> torch.Tensor | None:
         """The tensor stored under ``key`` (marked most recently used), or ``None``."""
-        with self._lock:
-            value = self._entries.get(key)
-            if value is None:
-                self._num_misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self._num_hits += 1
-            device = self._devices.get(key)
-            return value if device is None else value.to(device)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[Hashable]) -> list[torch.Tensor | None]:
         """:meth:`get` for each of ``keys``, in order, under one acquisition of the lock."""
@@ -106,54 +106,72 @@ class OutputCache:
         self.put_many([(key, value)])
 
     def put_many(self, items: Sequence[tuple[Hashable, torch.Tensor]]) -> None:
-        """:meth:`put` each ``(key, value)`` in order; views are copied together.
+        """:meth:`put` each ``(key, value)`` in order; the copies made are made together.
 
-        The rows of a batch are views of its ``[B, V]`` output, each stored as
-        a compact copy. On a CUDA device the copies are one multi-tensor
-        kernel (``torch._foreach_copy_``) instead of a launch per row, which
-        for 64 rows cost about 1.2 ms of host time a step.
+        The rows of a batch are views of its ``[B, V]`` output. Copied (without
+        ``keep_views``), on a CUDA device they are one multi-tensor kernel
+        (``torch._foreach_copy_``) instead of a launch per row.
         """
         if self.budget_bytes <= 0 or self.maxsize == 0:
             return  # nothing can be stored
         kept = []
         for key, value in items:
-            size = self._nbytes(value)
-            if size > self.budget_bytes or self.maxsize == 0:
+            if _nbytes(value) > self.budget_bytes:
                 continue
             device = None
             if self.move_to_cpu and value.device.type != "cpu":
                 device, value = value.device, value.cpu()
-            kept.append((key, value, size, device))
-        views = [i for i, (_, value, size, _) in enumerate(kept) if _is_view(value, size)]
-        # A view (e.g. one row of a [B, V] batch) would keep its whole base tensor
-        # alive while the budget counts only the view, and shares memory the caller
-        # may own (a batch call may return that base).
-        copies = compact_copies([kept[i][1] for i in views])
-        for i, copy in zip(views, copies):
-            key, _, size, device = kept[i]
-            kept[i] = (key, copy, size, device)
-        for key, value, size, device in kept:
-            self._store(key, value, size, device)
-
-    def _store(
-        self, key: Hashable, value: torch.Tensor, size: int, device: torch.device | None
-    ) -> None:
+            kept.append((key, value, device))
+        copied = [i for i, (_, value, _) in enumerate(kept) if self._copies(value)]
+        for i, copy in zip(copied, compact_copies([kept[i][1] for i in copied])):
+            key, _, device = kept[i]
+            kept[i] = (key, copy, device)
         with self._lock:
-            old = self._entries.pop(key, None)
-            self._devices.pop(key, None)
-            if old is not None:
-                self._bytes_held -= self._nbytes(old)
-            while self._bytes_held + size > self.budget_bytes or (
-                self.maxsize is not None and len(self._entries) >= self.maxsize
-            ):
-                evicted_key, evicted = self._entries.popitem(last=False)
-                self._devices.pop(evicted_key, None)
-                self._bytes_held -= self._nbytes(evicted)
-                self._num_evictions += 1
-            self._entries[key] = value
-            self._bytes_held += size
-            if device is not None:
-                self._devices[key] = device
+            for key, value, device in kept:
+                self._store(key, value, device)
+
+    def _copies(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is stored as a compact copy rather than as it is."""
+        storage_nbytes = value.untyped_storage().nbytes()
+        if self.keep_views:
+            return storage_nbytes > self.budget_bytes
+        return value._base is not None or storage_nbytes > _nbytes(value)
+
+    def _store(self, key: Hashable, value: torch.Tensor, device: torch.device | None) -> None:
+        """Hold ``value`` under ``key`` (lock held), evicting to make room."""
+        self._drop(key, evicted=False)
+        block = value.untyped_storage()
+        address, nbytes = block.data_ptr(), block.nbytes()
+        held = self._blocks.get(address)
+        size = 0 if held is not None else nbytes
+        while self._entries and (
+            self._bytes_held + size > self.budget_bytes
+            or (self.maxsize is not None and len(self._entries) >= self.maxsize)
+        ):
+            self._drop(next(iter(self._entries)), evicted=True)
+            held = self._blocks.get(address)  # the eviction may have freed this very block
+            size = 0 if held is not None else nbytes
+        if held is None:
+            held = self._blocks[address] = [nbytes, 0]
+            self._bytes_held += nbytes
+        held[1] += 1
+        self._entries[key] = value
+        if device is not None:
+            self._devices[key] = device
+
+    def _drop(self, key: Hashable, evicted: bool) -> None:
+        """Forget ``key``'s entry, if any; its block goes with its last row (lock held)."""
+        value = self._entries.pop(key, None)
+        if value is None:
+            return
+        self._devices.pop(key, None)
+        self._num_evictions += evicted
+        address = value.untyped_storage().data_ptr()
+        held = self._blocks[address]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._blocks[address]
+            self._bytes_held -= held[0]
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
         value = self.get(key)
@@ -169,14 +187,14 @@ class OutputCache:
         with self._lock:
             doomed = [key for key in self._entries if predicate(key)]
             for key in doomed:
-                self._bytes_held -= self._nbytes(self._entries.pop(key))
-                self._devices.pop(key, None)
+                self._drop(key, evicted=False)
         return len(doomed)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._devices.clear()
+            self._blocks.clear()
             self._bytes_held = 0
 
     def __len__(self) -> int:
@@ -198,8 +216,8 @@ class OutputCache:
             )
 
 
-def _is_view(value: torch.Tensor, size: int) -> bool:
-    return value._base is not None or value.untyped_storage().nbytes() > size
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
 
 
 def compact_copies(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -94,6 +94,10 @@ class AsyncLM:
         cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
             they get (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``:
             steps keep the thread's own count.
+        output_cache_views: The output cache holds the rows of a batch as views
+            of the runner's output (no copy; see
+            :class:`~genlm_backend.cache.output.OutputCache`); ``False``: as copies,
+            for runners whose output is memory they lend and want back.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class AsyncLM:
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
         cpu_threads: str | None = None,
+        output_cache_views: bool = True,
     ):
         self.batching = BatchingConfig(
             max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, timeout_s=timeout_s
@@ -131,7 +136,7 @@ class AsyncLM:
             threads = CpuThreads(torch.get_num_threads())
         self.engine = Engine(
             self.batching,
-            OutputCache(output_cache_bytes),
+            OutputCache(output_cache_bytes, keep_views=output_cache_views),
             owner=type(self).__name__,
             cpu_threads=threads,
         )
@@ -301,7 +306,7 @@ class AsyncLM:
         """
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
         rows, owned = await self.engine.rows_owned(requests)
-        return own_block(rows, owned)
+        return own_block(rows, owned and not self.output_cache.keep_views)
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -319,7 +324,8 @@ class AsyncLM:
     ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        return own_block(*self.engine.rows_now(requests))
+        rows, owned = self.engine.rows_now(requests)
+        return own_block(rows, owned and not self.output_cache.keep_views)
 
     def next_token_logprobs_uncached(
         self, token_ids: TokenIds, lora_name: str | None = None
