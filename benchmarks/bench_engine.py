@@ -1,12 +1,13 @@
 """The engine's share of a particle step: ours against its runner alone and a plain decode loop.
 
 Workload ``PxS@T``: P particles behind one T-token prompt take S steps; each
-particle chooses its next token from its own row (``argmax``), so every step
+particle chooses its next token from its own row (numpy's ``argmax``), so every step
 depends on the last and every row is distinct (each particle's first token
 differs). The model is a 2-layer Llama of random weights (width 256, 4 heads
 of 64, SmolLM2's 49,152-token vocabulary), small enough that the host work
 around the model shows. float32 on the CPU, ``--threads`` torch threads.
-Each variant runs in a fresh process, variants in turns, ``--repeats`` times:
+The variants run in turns in one process (the machine's speed drifts between
+processes and minutes: ratios within a round are what to trust), ``--rounds`` rounds:
 
 * ``loop``: a plain batched decode loop (transformers ``DynamicCache``, the
   prompt's keys/values copied into every row, one forward pass of P tokens
@@ -18,13 +19,13 @@ Each variant runs in a fresh process, variants in turns, ``--repeats`` times:
   ``AsyncTransformer``'s defaults; each particle takes ``argmax`` of its row.
 
 The prompt's prefill and two warm-up steps are not timed; the figure is the
-mean step time. Ratios: ours over loop (behind the shortest prompt, where
-the loop's copies of the prompt cost nothing), ours over ours-runner (the
-engine's share), and each variant's step behind each prompt over its step
-behind the first.
+mean step time. Ratios, each the median over rounds of that round's ratio:
+ours over loop (behind the shortest prompt, where the loop's copies of the
+prompt cost nothing), ours over ours-runner (the engine's share), and each
+variant's step behind each prompt over its step behind the first.
 
     python benchmarks/bench_engine.py                              # 64x32@64 and 64x32@4096
-    python benchmarks/bench_engine.py --workloads 64x32@64 --repeats 5
+    python benchmarks/bench_engine.py --workloads 64x32@64 --rounds 7
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,25 +68,13 @@ def small_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def run_variant(variant: str, workload: str, threads: int) -> dict:
-    """One variant in this process: seconds per timed step."""
-    import torch
-
-    torch.set_num_threads(threads)
+def run_variant(model, variant: str, workload: str) -> float:
+    """One variant's mean step time, in seconds, in this process."""
     particles, steps, prompt_tokens = parse_workload(workload)
-    model = small_llama()
     prompt, own = token_draws(model.config.vocab_size, particles, 1, prompt_tokens)
     firsts = [o[0] for o in own]
-    total = NUM_WARM_UP_STEPS + steps
-    if variant == "loop":
-        step_s = _loop(model, prompt, firsts, total)
-    elif variant == "ours-runner":
-        step_s = _runner(model, prompt, firsts, total)
-    elif variant == "ours":
-        step_s = _ours(model, prompt, firsts, total)
-    else:
-        raise ValueError(variant)
-    return {"variant": variant, "workload": workload, "step_s": step_s}
+    run = {"loop": _loop, "ours-runner": _runner, "ours": _ours}[variant]
+    return run(model, prompt, firsts, NUM_WARM_UP_STEPS + steps)
 
 
 def _mean_timed(times: list[float]) -> float:
@@ -143,7 +131,7 @@ def _ours(model, prompt, firsts, total) -> float:
         context = [*prompt, first]
         for step in range(total):
             row = await llm.next_token_logprobs(context)
-            context.append(int(row.argmax()))
+            context.append(int(row.numpy().argmax()))
             if len(step_ends) <= step:
                 step_ends.append(0.0)
             step_ends[step] = time.perf_counter()  # the last particle's end ends the step
@@ -159,64 +147,58 @@ def _ours(model, prompt, firsts, total) -> float:
     return step_s
 
 
-def spawn(variant: str, workload: str, threads: int) -> dict:
-    argv = [sys.executable, __file__, "--child", variant, "--workload", workload]
-    argv += ["--threads", str(threads)]
-    done = subprocess.run(argv, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, in turns")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turns")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(run_variant(args.child, args.workload, args.threads)))
-        return
+    torch.set_num_threads(args.threads)
+    model = small_llama()
     results = []
-    for repeat in range(args.repeats):
+    for round_index in range(args.rounds):
         for workload in args.workloads:
             for variant in args.variants:
-                result = spawn(variant, workload, args.threads)
-                results.append(result)
-                print(f"run {repeat + 1}: {workload} {variant}: {1e3 * result['step_s']:.2f} ms")
+                step_s = run_variant(model, variant, workload)
+                results.append(
+                    {"round": round_index, "workload": workload, "variant": variant, "step_s": step_s}
+                )
+                print(f"round {round_index + 1}: {workload} {variant}: {1e3 * step_s:.2f} ms")
     report(results, args.workloads, args.variants)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
 
 def report(results: list[dict], workloads: list[str], variants: list[str]) -> None:
-    def median_ms(workload: str, variant: str) -> float:
-        runs = [r["step_s"] for r in results if (r["workload"], r["variant"]) == (workload, variant)]
-        return 1e3 * statistics.median(runs)
+    step = {(r["round"], r["workload"], r["variant"]): r["step_s"] for r in results}
+    rounds = sorted({r["round"] for r in results})
 
-    def all_runs(workload: str, variant: str) -> str:
-        runs = [r["step_s"] for r in results if (r["workload"], r["variant"]) == (workload, variant)]
-        return ", ".join(f"{1e3 * run:.1f}" for run in runs)
+    def median_ratio(workload, variant, other_workload, other_variant) -> str:
+        if other_variant not in variants:
+            return "-"
+        ratios = [
+            step[k, workload, variant] / step[k, other_workload, other_variant] for k in rounds
+        ]
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
     first = workloads[0]
-    print("\nmedian step (ms) of each variant's runs; ratios of medians")
-    print("| workload | variant | step (ms) | vs loop | vs ours-runner | vs its step at " + first + " | all runs (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{len(rounds)} rounds; each ratio is the median of the rounds' ratios (their range)")
+    print(
+        f"| workload | variant | step (ms, median) | vs loop | vs ours-runner | vs its step at {first} |"
+    )
+    print("|---|---|---|---|---|---|")
     for workload in workloads:
         for variant in variants:
-            ms = median_ms(workload, variant)
-            vs_loop = f"{ms / median_ms(workload, 'loop'):.2f}x" if "loop" in variants else "-"
-            vs_runner = (
-                f"{ms / median_ms(workload, 'ours-runner'):.2f}x"
-                if "ours-runner" in variants
-                else "-"
-            )
-            vs_first = f"{ms / median_ms(first, variant):.2f}x"
+            ms = 1e3 * statistics.median(step[k, workload, variant] for k in rounds)
             print(
-                f"| {workload} | {variant} | {ms:.2f} | {vs_loop} | {vs_runner} | {vs_first} "
-                f"| {all_runs(workload, variant)} |"
+                f"| {workload} | {variant} | {ms:.2f} "
+                f"| {median_ratio(workload, variant, workload, 'loop')} "
+                f"| {median_ratio(workload, variant, workload, 'ours-runner')} "
+                f"| {median_ratio(workload, variant, first, variant)} |"
             )
 
 
