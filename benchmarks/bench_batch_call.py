@@ -1,12 +1,11 @@
-"""What a batch call costs on top of its runner: validation, then the auto-batcher's per-key path.
+"""What a batch call costs on top of its runner: validation, then the engine's queue and step.
 
 A ``MockAsyncLM`` whose runner returns a preallocated ``[B, V]`` block at
 once (no model, no server), its output cache off, so a
 ``batch_next_token_logprobs`` of B contexts is all bookkeeping: validating
-the contexts, queuing each as a key, the event loop's passes before the
-batch goes, the hand-over to the worker thread (or not, with
-``compute_in_loop``), the per-key futures, and the check that the rows are
-one block. "validation + runner" validates the same contexts and calls the
+the contexts, queuing the call, the event loop's passes before the step, the
+hand-over to the worker thread (or not: steps in the loop's thread are the
+default), settling the call, and the check that the rows are one block. "validation + runner" validates the same contexts and calls the
 runner directly, the floor under any batching. One thread; in turns,
 median of ``--repeats``.
 
@@ -34,8 +33,8 @@ from genlm_backend.llm import MockAsyncLM
 def make_lm(vocab_size: int, rows: int, compute_in_loop: bool) -> MockAsyncLM:
     lm = MockAsyncLM(byte_vocab=[b"<%d>" % i for i in range(vocab_size)], output_cache_bytes=0)
     block = torch.zeros(rows, vocab_size)
-    lm._core.runner.run = lambda requests: block[: len(requests)]  # at once: no model work
-    lm.batchers.compute_in_loop = compute_in_loop
+    lm.runner.run = lambda requests: block[: len(requests)]  # at once: no model work
+    lm.engine.compute_in_loop = compute_in_loop
     return lm
 
 
@@ -43,10 +42,8 @@ async def measure(rows: int, vocab_size: int, repeats: int) -> dict[str, float]:
     """ms per call of each setup, in turns (warm-up excluded)."""
     contexts = [list(range(1000, 1025)) + [token] for token in range(rows)]
     worker, in_loop = make_lm(vocab_size, rows, False), make_lm(vocab_size, rows, True)
-    core = worker._core
-
     async def floor():
-        core.runner.run(core.requests(contexts, None, "token_ids_list"))
+        worker.runner.run(worker.requests(contexts, None, "token_ids_list"))
 
     calls = {
         "batch call, worker thread": lambda: worker.batch_next_token_logprobs(contexts),

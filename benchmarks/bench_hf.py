@@ -11,8 +11,8 @@ variant runs in its own process (clean peak RSS):
 * ``ours``: ``genlm_backend.AsyncTransformer`` with default settings (no
   ``batch_size``: each batch takes every waiting context within the token
   budget), or with ``--batch-size``.
-* ``ours+in_loop``: ``ours`` with ``compute_in_loop=True`` (batches in the
-  event loop's thread: torch called from one thread only).
+* ``ours+worker``: ``ours`` with ``compute_in_loop=False`` (steps in a worker
+  thread, as a server runs them; the default runs them in the event loop's thread).
 * ``baseline``: ``ours`` as another checkout of this repository runs it
   (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 VARIANTS = ("floor", "ours", "upstream", "upstream+cache_kv")
-OPTIONAL_VARIANTS = ("baseline", "ours+in_loop")
+OPTIONAL_VARIANTS = ("baseline", "ours+worker")
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -58,13 +58,13 @@ def run_variant(
     torch.set_num_threads(2)
     if variant == "floor":
         seconds = _run_floor(particles, steps, model_dir)
-    elif variant in ("ours", "ours+in_loop"):
-        in_loop = variant == "ours+in_loop"
+    elif variant in ("ours", "ours+worker"):
+        in_loop = variant != "ours+worker"
         seconds, stats = _run_ours(particles, steps, model_dir, batch_size, in_loop)
     else:
         raise ValueError(variant)
     result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
-    if variant in ("ours", "ours+in_loop"):
+    if variant in ("ours", "ours+worker"):
         result["stats"] = stats
     return result
 
@@ -107,7 +107,7 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
 
 
 def _run_ours(
-    particles: int, steps: int, model_dir: str, batch_size: int | None, in_loop: bool = False
+    particles: int, steps: int, model_dir: str, batch_size: int | None, in_loop: bool = True
 ):
     import asyncio
     import dataclasses
@@ -229,7 +229,7 @@ def main(argv=None) -> None:
         "--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs"
     )
     parser.add_argument(
-        "--child", choices=("floor", "ours", "ours+in_loop"), help=argparse.SUPPRESS
+        "--child", choices=("floor", "ours", "ours+worker"), help=argparse.SUPPRESS
     )
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)

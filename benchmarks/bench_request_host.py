@@ -3,7 +3,7 @@
 What ``await next_token_logprobs(context)`` does on the event loop before
 and after its batch, for a particle whose previous context was computed
 (its keys/values in the tree, its row in the output cache): validating the
-context and making its request (``LMCore.requests``), the output cache's
+context and making its request (``AsyncLM.requests``), the output cache's
 lookup (a miss), the batch-cost estimate (``request_tokens``: the KV tree's
 lookup), and the copy of the row returned (``own_copy``). Timed call by call, in this
 process, on the default model behind a prompt of each length, every phase
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     first_total = None
     for length in args.lengths:
         llm = AsyncTransformer(model, None, byte_vocab=byte_vocab)
-        core, runner = llm._core, llm.runner
+        runner = llm.runner
         prompt, own = token_draws(vocab_size, args.particles, 2, length - 2, seed=1)
         # The previous step: each particle's context computed, its row cached.
         llm.batch_next_token_logprobs_sync([prompt + own[i][:1] for i in range(args.particles)])
@@ -63,9 +63,9 @@ def main(argv=None) -> None:
             for i in range(args.particles):
                 context = prompt + own[i][:2]  # a new list, as a client makes it
                 t0 = time.perf_counter()
-                (request,) = core.requests([context], None, argument=None)
+                (request,) = llm.requests([context], None, argument=None)
                 t1 = time.perf_counter()
-                assert core.cached(request) is None
+                assert llm.engine.cached_rows([request])[0] is None
                 t2 = time.perf_counter()
                 runner.request_tokens(request)
                 t3 = time.perf_counter()

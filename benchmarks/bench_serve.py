@@ -273,7 +273,7 @@ def round_trips(urls: list[str], args: argparse.Namespace) -> dict[int, tuple[fl
 
 async def _runner_alone(lm, contexts):
     """``lm``'s rows of ``contexts`` from its runner: validated, then one round trip, no batcher."""
-    return lm.runner.run(lm._core.requests(contexts, None, "token_ids_list"))
+    return lm.runner.run(lm.requests(contexts, None, "token_ids_list"))
 
 
 async def interleaved(calls, repeats: int) -> list[list[float]]:
@@ -306,6 +306,7 @@ SETUPS = {
     "served": f"served, {NUM_PROCESSES} clients",
     "served-before": f"served, {NUM_PROCESSES} clients, before",
     "4-models": f"{NUM_PROCESSES} processes, a model each",
+    "4-models-before": f"{NUM_PROCESSES} processes, a model each, before",
 }
 
 
@@ -368,8 +369,9 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
     elif setup == "in-process":
         wall, cpu, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0, model=model)])
     else:
-        workers = [worker_argv(p, s, i, model=model) for i in range(NUM_PROCESSES)]
-        wall, cpu, results = run_group(workers)
+        tree = REPO if setup == "4-models" else args.baseline_tree
+        workers = [worker_argv(p, s, i, tree=tree, model=model) for i in range(NUM_PROCESSES)]
+        wall, cpu, results = run_group(workers, tree)
     return {
         "server_batches": batches,
         "wall_s": wall,
@@ -406,7 +408,7 @@ def main() -> None:
         nargs="+",
         choices=list(SETUPS),
         default=list(SETUPS),
-        help="which setups to run (served-before needs --baseline-tree)",
+        help="which setups to run (the `-before` ones need --baseline-tree)",
     )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(
@@ -426,7 +428,7 @@ def main() -> None:
         earlier = (args.baseline_tree / "benchmarks" / "bench_serve.py").read_text()
         if "--random-weights" not in earlier:
             parser.error("that --baseline-tree's bench_serve.py has no --random-weights")
-    setups = [s for s in args.setups if s != "served-before" or args.baseline_tree is not None]
+    setups = [s for s in args.setups if not s.endswith("-before") or args.baseline_tree is not None]
     setups = setups if args.runs > 0 else []  # --runs 0: the round trips only
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
     for run in range(args.runs):

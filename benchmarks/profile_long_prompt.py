@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     wrap(runner.kv_tree, "commit", totals)
     wrap(runner.model, "forward", totals, "model forward")
     wrap(hf_runner.layout, "inputs", totals)
-    wrap(llm._core.contexts, "validate", totals, "validation")
+    wrap(llm._contexts, "validate", totals, "validation")
     wrap(llm.output_cache, "put_many", totals, "output cache put")
 
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
