@@ -23,7 +23,7 @@ from genlm_backend.llm.hf.attention import (
     math_attention_with_lse,
     prefix_attention_with_lse,
 )
-from genlm_backend.llm.hf.plan import LevelPolicy
+from genlm_backend.cache.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 from tests.hf_reference import assert_matches_reference, random_workload

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from genlm_backend.cache.kv_block import extendable_block
 from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree, Placement
-from genlm_backend.cache.token_trie import NUM_RECENT_CONTEXTS
+from genlm_backend.cache.kv_tree import NUM_RECENT_CONTEXTS
 
 NUM_LAYERS = 2
 

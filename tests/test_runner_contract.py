@@ -154,7 +154,7 @@ def test_a_request_is_equal_and_hashed_by_adapter_and_context_and_survives_pickl
 
 
 def test_contexts_alike_in_length_and_last_tokens_collide_in_hash_but_stay_distinct_keys():
-    from genlm_backend.cache.keys import HASHED_TAIL
+    from genlm_backend.cache.kv_tree import HASHED_TAIL
     from genlm_backend.llm.runner import Request
 
     tail = tuple(range(HASHED_TAIL))

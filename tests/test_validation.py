@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.validation import (
+from genlm_backend.llm.base import (
     RecentContexts,
     _general_ids,
     _plain_ids_in_range,

@@ -77,6 +77,53 @@ class KVBlock:
         """Bytes of one row's keys and values at one slot, over all layers."""
         return self.nbytes // max(1, self.num_rows * self.num_slots)
 
+    def copy_in(self, copies: Sequence[tuple[int, int, Segment]]) -> None:
+        """Copy each ``(row, slot, segment)``'s keys/values into this block's ``row`` from ``slot`` on.
+
+        Segments at the same slots of the same block, bound for the same
+        slots, go in one indexed copy of every layer at once: in an SMC step
+        every particle copies a row of the previous batch, so that is usually
+        one copy.
+        """
+        groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
+        for i, target, segment in copies:
+            source, start, n = segment.block, segment.start, segment.length
+            group = groups.setdefault(
+                (id(source), start, n, target), (source, start, n, target, [], [])
+            )
+            group[4].append(segment.row)
+            group[5].append(i)
+        device = self.stacked.device
+        for source, start, n, target, sources, targets in groups.values():
+            _copy_rows(
+                self.stacked,
+                _as_index(targets, device),
+                slice(target, target + n),
+                source.stacked,
+                _as_index(sources, device),
+                slice(start, start + n),
+            )
+
+
+def _as_index(rows: list[int], device) -> slice | torch.Tensor:
+    """A slice for consecutive rows (a plain strided copy), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+def _copy_rows(
+    target, target_rows, target_slots: slice, source, source_rows, source_slots: slice
+) -> None:
+    """Rows and slots of ``[..., B, H, T, D]`` tensors: ``target[..., target_rows, :, target_slots, :] =
+    source[..., source_rows, :, source_slots, :]``, without temporaries where possible."""
+    into = (..., target_rows, slice(None), target_slots, slice(None))
+    taken = source[..., source_rows, :, source_slots, :]
+    if isinstance(target_rows, slice):
+        target[into].copy_(taken)
+    else:
+        target[into] = taken
+
 
 @dataclass(eq=False)
 class KVEntry:
@@ -140,6 +187,20 @@ class KVEntry:
     def nbytes(self) -> int:
         """Bytes of this entry's own span (its parent's are counted there)."""
         return self.length * self.block.bytes_per_slot
+
+
+Piece = tuple["KVEntry", int]
+"""The first ``n`` slots of an entry's own span."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Slots ``[start, start + length)`` of ``block``'s ``row``."""
+
+    block: KVBlock
+    row: int
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)

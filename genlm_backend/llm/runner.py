@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from genlm_backend.cache.keys import context_hash
+from genlm_backend.cache.kv_tree import context_hash
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
     Hashed once, from the context's length and last tokens
-    (:func:`~genlm_backend.cache.keys.context_hash`): a request is a key of
+    (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a key of
     the batcher and the output cache at every step, and Python's hash of a
     long context reads all of it.
 

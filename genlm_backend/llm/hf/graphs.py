@@ -37,11 +37,11 @@ from typing import Any, Protocol
 
 import torch
 
-from genlm_backend.cache.kv_block import KVBlock, KVEntry, Placement
+from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Segment
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm.hf.attention import Cascade, Level
 from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, grouped_kv_attention, kv_shape
-from genlm_backend.llm.hf.plan import PassPlan, Piece, Segment, copy_segments, positions
+from genlm_backend.cache.plan import PassPlan, positions
 from genlm_backend.llm.runner import fit_to_vocab
 from genlm_backend.tokenization.token import gc_paused
 
@@ -298,6 +298,8 @@ class StepGraphs:
         self.max_storage_bytes = max_storage_bytes
         self.unsupported: str | None = None
         """Why steps run eagerly (``None``: captured where the device can)."""
+        self.can_capture = graph_capture(model_of().device) is not None
+        """Whether the model's device captures graphs (else every step runs eagerly)."""
         self._graphs: OrderedDict[GraphKey, CapturedStep] = OrderedDict()  # least recent first
         self._blocks: weakref.WeakSet[KVBlock] = weakref.WeakSet()
         """Blocks over a graph's storage, now or once: never a graph's level (their rows change)."""
@@ -396,7 +398,7 @@ class StepGraphs:
             self._kv_tree.reserve(graph.nbytes, pinned=step.pinned)
             block = graph.renew(move)
             self._blocks.add(block)
-            copy_segments(block, _copies(step.rows))
+            block.copy_in(_copies(step.rows))
         graph.load_inputs(step.host_inputs(self._max_positions))
         if graph.replay is None and not self._capture(graph):
             return None

@@ -7,7 +7,7 @@ over the remaining tokens only, and leaves the new keys/values in the tree.
 
 Cached prefixes shared by rows (a long prompt in front of every particle)
 stay where they are, held once, and the attention reads each once for all
-its rows (:mod:`~genlm_backend.llm.hf.plan` says which part of a row is
+its rows (:mod:`~genlm_backend.cache.plan` says which part of a row is
 read where, :mod:`~genlm_backend.llm.hf.attention` computes it). The rest of
 each row's past is copied into a new block, or the step writes in place
 into the block it extends; a transformers ``StaticCache`` over the block's
@@ -24,11 +24,12 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from genlm_backend.cache import plan as planner
 from genlm_backend.cache.kv_tree import KVBlock, KVPrefixTree, Placement
-from genlm_backend.llm.hf import plan as layout
-from genlm_backend.llm.hf.adapters import PeftAdapters
-from genlm_backend.llm.hf.attention import Cascade
+from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
+from genlm_backend.llm.hf.attention import Cascade, Level
 from genlm_backend.llm.hf.compat import (
+    PeftAdapters,
     StaticCaches,
     cache_nbytes,
     check_transformers_version,
@@ -39,7 +40,6 @@ from genlm_backend.llm.hf.compat import (
     shared_levels_unsupported,
 )
 from genlm_backend.llm.hf.graphs import StepGraphs
-from genlm_backend.llm.hf.plan import BatchPlan, LevelPolicy, Lookup, PassPlan, plan_batch
 from genlm_backend.llm.runner import (
     Adapter,
     Request,
@@ -83,6 +83,7 @@ class HFRunner:
         """One-token steps captured as graphs (on CUDA), the rest eager: see :mod:`~genlm_backend.llm.hf.graphs`."""
         if self.levels_unsupported is not None:
             self.graphs.unsupported = f"shared levels unsupported: {self.levels_unsupported}"
+
 
     @property
     def model(self):
@@ -203,7 +204,7 @@ class HFRunner:
             reads = tuple((offsets[-1] + j, first + j) for j in range(len(continuation)))
             hosts.append((lookup, reads))
             offsets.append(offsets[-1] + len(continuation))
-        plan = layout.plan_hosts(hosts, offsets[-1], self.level_policy)
+        plan = planner.plan_hosts(hosts, offsets[-1], self.level_policy)
         rows = self._execute(plan, namespace)  # [sum of lengths, vocab_size]
         targets = [token for _, _, continuation in chunk for token in continuation]
         scores = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].cpu()
@@ -244,7 +245,7 @@ class HFRunner:
         Runs the model as it is (activating an adapter is :meth:`run`'s job).
         Several contexts sharing a long prefix not cached yet get it computed
         once first, as a batch of its own; then the batch is planned once
-        (:func:`~genlm_backend.llm.hf.plan.plan_batch`) and executed.
+        (:func:`~genlm_backend.cache.plan.plan_batch`) and executed.
 
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
@@ -273,8 +274,8 @@ class HFRunner:
         """Prefixes shared by several contexts with many uncached tokens, to compute first."""
         min_tokens = self.level_policy.min_prefill_tokens
         # Contexts read from a longer one's pass share its computation already.
-        hosts = [lookup for lookup, _ in layout.nest(lookups)]
-        return layout.shared_uncached_prefixes(
+        hosts = [lookup for lookup, _ in planner.nest(lookups)]
+        return planner.shared_uncached_prefixes(
             [lookup.context for lookup in hosts if lookup.num_new > min_tokens],
             lambda prefix: self.kv_tree.cached_length(prefix, namespace),
             min_tokens,
@@ -304,7 +305,7 @@ class HFRunner:
         self, plan: PassPlan, namespace: Hashable
     ) -> tuple[torch.Tensor, KVBlock, list[Placement]]:
         """A pass's log-probabilities, the block written, and where its rows' contexts are in it."""
-        step = self.graphs.plan(plan, namespace)
+        step = self.graphs.plan(plan, namespace) if self.graphs.can_capture and plan.num_new == 1 else None
         ran = self.graphs.run(step) if step is not None else None
         if step is None or ran is None:
             logprobs, block = self._forward(plan)
@@ -316,9 +317,11 @@ class HFRunner:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
         cache = self._cache_over(block, plan.num_past)
-        input_ids, position_ids = layout.inputs(plan, self._max_positions, self.device)
-        mask = layout.own_part_mask(plan, block.num_slots, self.model.dtype, self.device)
-        levels = layout.group_levels(plan.rows, self.device)
+        tokens, positions = planner.new_tokens(plan, self._max_positions)
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [B, num_new]
+        position_ids = torch.tensor(positions, dtype=torch.long).to(self.device)
+        mask = own_part_mask(plan, block.num_slots, self.model.dtype, self.device)
+        levels = cascade_levels(plan, self.device)
         # Nothing cached, no padding: the mask is plain causal, which the fused
         # kernels apply without reading it, skipping the hidden half (a prompt's prefill).
         is_causal = (
@@ -372,7 +375,7 @@ class HFRunner:
             pinned=[entry for row in plan.rows for entry, _ in row.levels + row.own],
         )
         block = KVBlock.empty(num_layers, shape, self.model.dtype, self.device)
-        layout.copy_own_parts(plan, block)
+        block.copy_in(planner.own_part_copies(plan))
         # Every slot is written above or by the forward pass itself; only the left
         # padding is zeroed (masked, but it must not hold NaN bit patterns), and the
         # spare slots (masked, but read by attention). One operation each for all layers.
@@ -392,3 +395,28 @@ class HFRunner:
 def _num_spare_slots(num_past: int) -> int:
     """Room left in a one-token step's block for later steps: 1/4 of its length, at least 8."""
     return max(8, num_past // 4)
+
+
+def own_part_mask(plan: PassPlan, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its own past and its causal new tokens."""
+    slots = torch.arange(num_slots)
+    queries = torch.arange(plan.num_new)[:, None] + plan.num_past  # slot of each query
+    first = torch.tensor(planner.row_starts(plan))[:, None, None]
+    visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
+    mask = torch.zeros(len(plan.rows), 1, plan.num_new, num_slots, dtype=dtype)
+    mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+    return mask.to(device)
+
+
+def cascade_levels(plan: PassPlan, device: torch.device) -> list[Level]:
+    """The pass's distinct levels, each with the rows that read it (``None``: every row)."""
+    return [
+        Level(
+            entry.block,
+            entry.row,
+            entry.start,
+            n,
+            None if len(rows) == len(plan.rows) else torch.tensor(rows, device=device),
+        )
+        for (entry, n), rows in planner.level_readers(plan.rows)
+    ]

@@ -1,4 +1,4 @@
-"""The HF batch plan against brute force: prefixes computed first, nested contexts read from longer rows, positions."""
+"""The batch plan against brute force: prefixes computed first, nested contexts read from longer rows, positions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from genlm_backend.llm.hf import plan as layout
-from genlm_backend.llm.hf.plan import Lookup, nest, shared_uncached_prefixes
+from genlm_backend.cache import plan as layout
+from genlm_backend.cache.plan import Lookup, nest, shared_uncached_prefixes
 
 # Few token values and short contexts: branches, exact prefixes and duplicates of prefixes are common.
 CONTEXTS = st.lists(

@@ -1,13 +1,15 @@
 """The batch plan, a value: what each forward pass computes, reads and leaves in the KV tree.
 
+Backend-neutral: the transformers and MLX runners plan their batches here
+and execute the plans with their own tensors.
+
 A context reuses the cached keys/values of its first ``reused`` tokens,
 which the KV tree holds as a chain of pieces (a shared prompt's entry, then
 a particle's own span, ...). A :class:`RowPlan` splits that chain: the
-pieces before the split are *levels*, read in place by the attention
-(:mod:`~genlm_backend.llm.hf.attention`) once for every row that shares
-them; the pieces after it are the row's *own part*, copied into the pass's
-block, followed by its new tokens. Layout of a new block (``P`` = longest
-own past, ``K`` = most new tokens)::
+pieces before the split are *levels*, read in place by the attention once
+for every row that shares them; the pieces after it are the row's *own
+part*, copied into the pass's block, followed by its new tokens. Layout of a
+new block (``P`` = longest own past, ``K`` = most new tokens)::
 
     slot:   0 ........ P-own_i ...... P ........ P+k_i ...... P+K
     row i:  [ unused  | copied pieces | new tokens | padding    ]
@@ -35,23 +37,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from genlm_backend.cache.kv_block import KVBlock, KVEntry, Placement, extendable_block
-from genlm_backend.llm.hf.attention import Level
-
-Piece = tuple[KVEntry, int]
-"""The first ``n`` slots of an entry's own span."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Slots ``[start, start + length)`` of ``block``'s ``row``."""
-
-    block: KVBlock
-    row: int
-    start: int
-    length: int
+from genlm_backend.cache.kv_block import (
+    KVBlock,
+    KVEntry,
+    Piece,
+    Placement,
+    Segment,
+    extendable_block,
+)
 
 
 @dataclass(frozen=True)
@@ -287,85 +280,30 @@ def shared_uncached_prefixes(
     return rounds
 
 
-# ---------------------------------------------------------------------- a pass's tensors
+# ---------------------------------------------------------------------- a pass's inputs
 
 
-def group_levels(rows: Sequence[RowPlan], device: torch.device) -> list[Level]:
-    """The distinct levels of a pass, each with the rows that read it."""
-    readers: dict[tuple[int, int], tuple[KVEntry, int, list[int]]] = {}
-    for i, row in enumerate(rows):
-        for entry, n in row.levels:
-            readers.setdefault((id(entry), n), (entry, n, []))[2].append(i)
-    return [
-        Level(
-            entry.block,
-            entry.row,
-            entry.start,
-            n,
-            None if len(indices) == len(rows) else torch.tensor(indices, device=device),
-        )
-        for entry, n, indices in readers.values()
-    ]
-
-
-def copy_own_parts(plan: PassPlan, block: KVBlock) -> None:
-    """Copy each row's own pieces into ``block``'s rows, right-aligned at slot ``plan.num_past``.
-
-    Rows whose pieces sit at the same slots of the same block, bound for the
-    same slots, go in one indexed copy of every layer at once: in an SMC step
-    every particle copies a row of the previous batch, so that is usually one
-    copy.
-    """
+def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
+    """``(row, slot, segment)``: each row's own pieces, right-aligned at slot ``plan.num_past``
+    of the pass's new block (see :meth:`~genlm_backend.cache.kv_block.KVBlock.copy_in`)."""
     copies = []
     for i, row in enumerate(plan.rows):
         target = plan.num_past - row.num_own_past
         for entry, n in row.own:
             copies.append((i, target, Segment(entry.block, entry.row, entry.start, n)))
             target += n
-    copy_segments(block, copies)
+    return copies
 
 
-def copy_segments(block: KVBlock, copies: Sequence[tuple[int, int, Segment]]) -> None:
-    """Copy each ``(row, slot, segment)``'s keys/values into ``block``'s ``row`` from ``slot`` on.
+def new_tokens(plan: PassPlan, max_positions: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's new tokens and their positions, ``[B][num_new]``, padded after its own.
 
-    Segments at the same slots of the same block, bound for the same slots,
-    go in one indexed copy of every layer at once.
-    """
-    groups: dict[tuple, tuple[KVBlock, int, int, int, list[int], list[int]]] = {}
-    for i, target, segment in copies:
-        source, start, n = segment.block, segment.start, segment.length
-        group = groups.setdefault(
-            (id(source), start, n, target), (source, start, n, target, [], [])
-        )
-        group[4].append(segment.row)
-        group[5].append(i)
-    device = block.stacked.device
-    for source, start, n, target, sources, targets in groups.values():
-        _copy_rows(
-            block.stacked,
-            _as_index(targets, device),
-            slice(target, target + n),
-            source.stacked,
-            _as_index(sources, device),
-            slice(start, start + n),
-        )
-
-
-def inputs(
-    plan: PassPlan, max_positions: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``position_ids`` ``[B, num_new]``: each row's new tokens at its own positions.
-
-    Built as Python lists and made tensors once: tensor operations per row
-    would cost a batch of 64 particles hundreds of small operations.
+    Plain lists: a runner makes each one tensor (operations per row would
+    cost a batch of 64 particles hundreds of small operations).
     """
     num_new = plan.num_new
-    input_ids = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
-    position_ids = [positions(row.reused, num_new, max_positions) for row in plan.rows]
-    return (
-        torch.tensor(input_ids, dtype=torch.long).to(device),
-        torch.tensor(position_ids, dtype=torch.long).to(device),
-    )
+    tokens = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
+    return tokens, [positions(row.reused, num_new, max_positions) for row in plan.rows]
 
 
 def positions(first: int, count: int, max_positions: int) -> list[int]:
@@ -374,35 +312,18 @@ def positions(first: int, count: int, max_positions: int) -> list[int]:
     return [*range(first, end), *[max_positions - 1] * (first + count - end)]
 
 
-def own_part_mask(plan: PassPlan, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its own past and its causal new tokens."""
-    slots = torch.arange(num_slots)
-    queries = torch.arange(plan.num_new)[:, None] + plan.num_past  # slot of each query
-    first = torch.tensor([plan.num_past - row.num_own_past for row in plan.rows])[:, None, None]
-    visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
-    mask = torch.zeros(len(plan.rows), 1, plan.num_new, num_slots, dtype=dtype)
-    mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
-    return mask.to(device)
+def row_starts(plan: PassPlan) -> list[int]:
+    """The slot of each row's first own token in the pass's block (what its mask starts at)."""
+    return [plan.num_past - row.num_own_past for row in plan.rows]
 
 
-def _as_index(rows: list[int], device) -> slice | torch.Tensor:
-    """A slice for consecutive rows (a plain strided copy), else an index tensor."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
-
-
-def _copy_rows(
-    target, target_rows, target_slots: slice, source, source_rows, source_slots: slice
-) -> None:
-    """Rows and slots of ``[..., B, H, T, D]`` tensors: ``target[..., target_rows, :, target_slots, :] =
-    source[..., source_rows, :, source_slots, :]``, without temporaries where possible."""
-    into = (..., target_rows, slice(None), target_slots, slice(None))
-    taken = source[..., source_rows, :, source_slots, :]
-    if isinstance(target_rows, slice):
-        target[into].copy_(taken)
-    else:
-        target[into] = taken
+def level_readers(rows: Sequence[RowPlan]) -> list[tuple[Piece, list[int]]]:
+    """The distinct levels of a pass's rows, each with the rows that read it, in order of first reading."""
+    readers: dict[tuple[int, int], tuple[Piece, list[int]]] = {}
+    for i, row in enumerate(rows):
+        for entry, n in row.levels:
+            readers.setdefault((id(entry), n), ((entry, n), []))[1].append(i)
+    return list(readers.values())
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
