@@ -182,6 +182,33 @@ async def test_particles_behind_a_long_prompt_read_it_once_and_resample(llm, tin
 
 
 @needs_mlx
+async def test_particles_behind_two_prompts_in_one_batch_read_each_prompt_as_its_own_level(
+    llm, tiny_folder
+):
+    from genlm_backend.llm.mlx.runner import MIN_LEVEL_TOKENS
+
+    model = tiny_folder[1]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000) for _ in range(MIN_LEVEL_TOKENS + 6)] for _ in range(2)]
+    await llm.batch_next_token_logprobs(prompts)  # both cached: each a level of its particles
+    particles = [prompt + [rng.randrange(1000)] for prompt in prompts for _ in range(3)]
+    forwards = []
+    original = llm.runner._forward
+    llm.runner._forward = lambda plan: forwards.append(plan) or original(plan)
+    for step in range(4):
+        rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        for particle, row in zip(particles, rows):
+            assert_exact(llm, model, particle, row)
+        if step == 1:  # resample across the prompts: rows of one block behind different levels
+            particles = [particles[i] for i in (0, 4, 4, 1, 5, 2)]
+        particles = [p + [rng.randrange(1000)] for p in particles]
+    levels = {len(row.levels) for plan in forwards for row in plan.rows}
+    assert levels == {1} and all(len(plan.rows) == 6 for plan in forwards)
+    readers = [len({id(row.levels[0][0]) for row in plan.rows}) for plan in forwards]
+    assert readers == [2, 2, 2, 2]  # one pass per step, two levels in it
+
+
+@needs_mlx
 async def test_concurrent_contexts_of_different_lengths_branches_and_prefixes(llm, tiny_folder):
     model = tiny_folder[1]
     rng = random.Random(2)

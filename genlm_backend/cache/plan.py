@@ -295,15 +295,19 @@ def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
     return copies
 
 
-def new_tokens(plan: PassPlan, max_positions: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Each row's new tokens and their positions, ``[B][num_new]``, padded after its own.
+def new_tokens(plan: PassPlan) -> list[list[int]]:
+    """Each row's new tokens, ``[B][num_new]``, padded after its own.
 
-    Plain lists: a runner makes each one tensor (operations per row would
+    Plain lists: a runner makes them one tensor (operations per row would
     cost a batch of 64 particles hundreds of small operations).
     """
     num_new = plan.num_new
-    tokens = [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
-    return tokens, [positions(row.reused, num_new, max_positions) for row in plan.rows]
+    return [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
+
+
+def new_positions(plan: PassPlan, max_positions: int) -> list[list[int]]:
+    """The positions of each row's new tokens, ``[B][num_new]`` (see :func:`positions`)."""
+    return [positions(row.reused, plan.num_new, max_positions) for row in plan.rows]
 
 
 def positions(first: int, count: int, max_positions: int) -> list[int]:

@@ -317,9 +317,9 @@ class HFRunner:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
         cache = self._cache_over(block, plan.num_past)
-        tokens, positions = planner.new_tokens(plan, self._max_positions)
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [B, num_new]
-        position_ids = torch.tensor(positions, dtype=torch.long).to(self.device)
+        input_ids = torch.tensor(planner.new_tokens(plan)).to(self.device)  # [B, num_new]
+        positions = planner.new_positions(plan, self._max_positions)
+        position_ids = torch.tensor(positions).to(self.device)
         mask = own_part_mask(plan, block.num_slots, self.model.dtype, self.device)
         levels = cascade_levels(plan, self.device)
         # Nothing cached, no padding: the mask is plain causal, which the fused

@@ -5,8 +5,8 @@ the :class:`~genlm_backend.cache.kv_tree.KVPrefixTree` keeps entries over its
 rows exactly as it does for transformers blocks (it reads only a block's slot
 bookkeeping). A :class:`BatchView` is one layer's view of a forward pass for
 mlx-lm: where the new keys/values go in the block, each row's positions, and
-which slots each query sees; when the rows share a cached prefix held
-elsewhere (a prompt), its ``attend`` reads that prefix once for all rows.
+which slots each query sees; when rows read cached prefixes held elsewhere
+(the plan's levels: a prompt), its ``attend`` reads each once for all its rows.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from genlm_backend.cache.kv_block import KVBlock, KVEntry
+from genlm_backend.cache.kv_block import KVBlock, Piece, Segment
 from genlm_backend.llm.mlx.compat import SharedPrefixCache
 
 
@@ -73,16 +73,30 @@ class MlxKVBlock(KVBlock):
         """Every array of the block (to evaluate after writing)."""
         return self.keys + self.values
 
+    def copy_in(self, copies) -> None:
+        """Copy each ``(row, slot, segment)``'s keys/values into this block's ``row`` from ``slot`` on."""
+        for row, slot, segment in copies:
+            for layer in range(len(self.keys)):
+                keys, values = span(segment, layer)
+                self.keys[layer][row, :, slot : slot + segment.length] = keys
+                self.values[layer][row, :, slot : slot + segment.length] = values
 
-def span(entry: KVEntry, layer: int, length: int) -> tuple[mx.array, mx.array]:
-    """Keys and values ``[H, length, D]`` of the first ``length`` tokens of ``entry``'s own span."""
-    block = entry.block
+
+def span(segment: Segment, layer: int) -> tuple[mx.array, mx.array]:
+    """Keys and values ``[H, length, D]`` of ``segment``'s slots at ``layer``."""
+    block = segment.block
     assert isinstance(block, MlxKVBlock), "MLX entries live in MLX blocks"
-    stop = entry.start + length
+    stop = segment.start + segment.length
     return (
-        block.keys[layer][entry.row, :, entry.start : stop],
-        block.values[layer][entry.row, :, entry.start : stop],
+        block.keys[layer][segment.row, :, segment.start : stop],
+        block.values[layer][segment.row, :, segment.start : stop],
     )
+
+
+def piece_span(piece: Piece, layer: int) -> tuple[mx.array, mx.array]:
+    """Keys and values ``[H, n, D]`` of a piece: the first ``n`` slots of an entry's own span."""
+    entry, n = piece
+    return span(Segment(entry.block, entry.row, entry.start, n), layer)
 
 
 class ForwardPass:
@@ -94,7 +108,8 @@ class ForwardPass:
         num_new: New tokens per row in this pass (rows with fewer are padded after theirs).
         positions: ``[B]`` int32, position of each row's first new token.
         own_start: ``[B]`` int32, each row's first slot in ``block`` (its own past starts there).
-        level: A cached prefix every row continues, read in place (``None``: none).
+        levels: Cached prefixes read in place, each with the rows that read it
+            (``None``: every row), in the order the rows' contexts have them.
     """
 
     def __init__(
@@ -104,13 +119,17 @@ class ForwardPass:
         num_new: int,
         positions: mx.array,
         own_start: mx.array,
-        level: KVEntry | None,
+        levels: list[tuple[Piece, list[int] | None]],
     ):
         self.block = block
         self.num_past = num_past
         self.num_new = num_new
         self.positions = positions
-        self.level = level
+        num_rows = len(block.row_ends)
+        self.levels = [
+            (piece, None if rows is None else mx.array([i in rows for i in range(num_rows)]))
+            for piece, rows in levels
+        ]
         # mask: [B, 1, L, S]: row b's query j sees slots own_start[b] .. num_past + j.
         slots = mx.arange(num_past + num_new)[None, None, None, :]
         queries = mx.arange(num_past, num_past + num_new)[None, None, :, None]
@@ -143,41 +162,52 @@ class BatchView(SharedPrefixCache):
         return forward.block.keys[layer][:, :, :stop], forward.block.values[layer][:, :, :stop]
 
     def make_mask(self, num_queries: int, return_array: bool = False, window_size=None) -> mx.array:
-        """``[B, 1, L, S]`` bool: which of the block's slots each query sees (the shared prefix aside)."""
+        """``[B, 1, L, S]`` bool: which of the block's slots each query sees (the levels aside)."""
         return self.forward.mask
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask):
-        """Softmax attention over the shared prefix, then the block's own slots, in one normalization.
+        """Softmax attention over the levels, then the block's own slots, in one normalization.
 
-        ``queries`` ``[B, Hq, L, D]``; the prefix's keys/values ``[Hkv, P, D]``
-        are read once for every row (the rows fold into the query axis), so no
-        row holds a copy. Returns ``[B, Hq, L, Dv]``.
+        ``queries`` ``[B, Hq, L, D]``; each level's keys/values ``[Hkv, n, D]``
+        are read once for every row (the rows fold into the query axis), so
+        no row holds a copy; a row that does not read a level gets ``-inf``
+        scores there. Returns ``[B, Hq, L, Dv]``.
         """
         forward = self.forward
-        if forward.level is None:
+        if not forward.levels:
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=forward.mask
             )
         forward.num_shared_reads += 1
-        shared_keys, shared_values = span(forward.level, self.layer, forward.level.length)
         batch, num_heads, length, dim = queries.shape
         num_kv_heads = keys.shape[1]
         group = num_heads // num_kv_heads
         # q: [B, Hkv, g, L, D]; folded: [Hkv, B*g*L, D]
         q = (queries * scale).reshape(batch, num_kv_heads, group, length, dim)
         folded = q.transpose(1, 0, 2, 3, 4).reshape(num_kv_heads, -1, dim)
-        num_shared = shared_keys.shape[1]
-        shared_scores = (folded @ shared_keys.swapaxes(-1, -2)).reshape(
-            num_kv_heads, batch, group, length, num_shared
-        )
+        scores, shared_values = [], []
+        for piece, rows in forward.levels:
+            shared_keys, level_values = piece_span(piece, self.layer)
+            level_scores = (folded @ shared_keys.swapaxes(-1, -2)).reshape(
+                num_kv_heads, batch, group, length, -1
+            )
+            level_scores = level_scores.transpose(1, 0, 2, 3, 4)  # [B, Hkv, g, L, n]
+            if rows is not None:
+                level_scores = mx.where(rows[:, None, None, None, None], level_scores, -mx.inf)
+            scores.append(level_scores)
+            shared_values.append(level_values)
         own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, Hkv, g, L, S]
-        own_scores = mx.where(forward.mask[:, :, None], own_scores, -mx.inf)
-        scores = mx.concatenate([shared_scores.transpose(1, 0, 2, 3, 4), own_scores], axis=-1)
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
-        shared_probs = probs[..., :num_shared].transpose(1, 0, 2, 3, 4)
-        shared_out = (shared_probs.reshape(num_kv_heads, -1, num_shared) @ shared_values).reshape(
-            num_kv_heads, batch, group, length, -1
-        )
-        own_out = probs[..., num_shared:] @ values[:, :, None]  # [B, Hkv, g, L, Dv]
-        out = shared_out.transpose(1, 0, 2, 3, 4) + own_out
+        scores.append(mx.where(forward.mask[:, :, None], own_scores, -mx.inf))
+        probs = mx.softmax(mx.concatenate(scores, axis=-1).astype(mx.float32), axis=-1)
+        probs = probs.astype(values.dtype)
+        out = probs[..., -own_scores.shape[-1] :] @ values[:, :, None]  # [B, Hkv, g, L, Dv]
+        start = 0
+        for level_values in shared_values:
+            n = level_values.shape[1]
+            level_probs = probs[..., start : start + n].transpose(1, 0, 2, 3, 4)
+            level_out = (level_probs.reshape(num_kv_heads, -1, n) @ level_values).reshape(
+                num_kv_heads, batch, group, length, -1
+            )
+            out = out + level_out.transpose(1, 0, 2, 3, 4)
+            start += n
         return out.reshape(batch, num_heads, length, -1)
