@@ -3,7 +3,7 @@
 A client's batch of R contexts, each a P-token prompt plus its own 20
 tokens (as SMC particles some steps in), validated tuples as the client
 holds them. ``shared``: today's body, each context sent as the tokens it
-adds to the one before it (``genlm_backend.serve.protocol``); ``flat``: the
+adds to the one before it (``genlm_backend.llm.remote.protocol``); ``flat``: the
 body before it (protocol 2), every context's every token as ``int32``,
 decoded into lists. Encoding is the client's work per batch, decoding the
 server's (on its event loop); in turns, median of ``--repeats``.
@@ -25,7 +25,7 @@ import time
 import msgpack
 import numpy as np
 
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 
 LIMITS = protocol.ServeLimits(max_rows=256, max_body_bytes=64 << 20)
 

@@ -328,7 +328,7 @@ def server_counts(url: str) -> Counter:
     """The server's counts so far: batches, contexts computed, waits its step gather gave up."""
     import urllib3
 
-    from genlm_backend.serve import protocol
+    from genlm_backend.llm.remote import protocol
 
     stats = protocol.unpack(urllib3.request("GET", url + "/v1/stats").data)
     lm, server = stats["lm"], stats["server"]

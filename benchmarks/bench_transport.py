@@ -13,7 +13,7 @@ them alike; warm-up excluded; the median of ``--repeats`` is reported.
 * **h11 parser**: uvicorn's pure-Python parser;
 * **zmq**: ZeroMQ REQ/REP (pyzmq), the rows as one frame (if installed);
 * **shared memory**: the shipped server and client, the rows written into the
-  client's slab (``genlm_backend.serve.slab``, one copy) and copied out of it
+  client's slab (``genlm_backend.llm.remote.slab``, one copy) and copied out of it
   into a fresh array (one copy); the answer says how many rows.
 
 Every candidate's client ends with the rows in memory it owns (the HTTP and
@@ -88,7 +88,7 @@ def slab_server(port: int, vocab: int) -> None:
     import torch
     import uvicorn
 
-    from genlm_backend.serve.slab import Slab
+    from genlm_backend.llm.remote.slab import Slab
 
     slabs: dict[str, Slab] = {}
     rows = torch.zeros(0, vocab)
@@ -121,7 +121,7 @@ def slab_server(port: int, vocab: int) -> None:
 def slab_client(port: int, vocab: int, capacity: int) -> Callable[[int], int]:
     import urllib3
 
-    from genlm_backend.serve.slab import Slab
+    from genlm_backend.llm.remote.slab import Slab
 
     pool = urllib3.HTTPConnectionPool("127.0.0.1", port, retries=False)
     slab = Slab.create(capacity, vocab)

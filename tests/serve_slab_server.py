@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from genlm_backend.serve.slab import Slab, SlabRefused
+from genlm_backend.llm.remote.slab import Slab, SlabRefused
 
 
 def rows_of(seed: int, num_rows: int, vocab_size: int) -> torch.Tensor:

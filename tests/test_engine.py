@@ -491,14 +491,20 @@ def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
     assert fixed.num_threads == 4 and not CpuThreads(1).adaptive
 
 
-def test_a_step_sets_the_computing_thread_s_torch_threads():
+def test_a_step_in_the_loop_sets_its_torch_threads_and_a_synchronous_call_keeps_its_own():
     before = torch.get_num_threads()
     llm = make_llm()
-    llm.engine.cpu_threads = CpuThreads(before)
-    llm.engine.cpu_threads.num_threads = 1
+    llm.engine.cpu_threads = CpuThreads(before + 1)
+    llm.engine.cpu_threads.num_threads = before + 1
     try:
         llm.next_token_logprobs_sync([1, 2])
-        assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == before  # the caller's thread is not the engine's
+
+        async def call():
+            await llm.next_token_logprobs([1, 3])
+            return torch.get_num_threads()
+
+        assert asyncio.run(call()) == before + 1
     finally:
         torch.set_num_threads(before)
         llm.close()

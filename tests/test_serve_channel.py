@@ -20,12 +20,12 @@ import urllib3
 
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RequestTooLargeError, ServerUnavailableError
-from genlm_backend.serve import RemoteLM, protocol
-from genlm_backend.serve import app as app_module
+from genlm_backend.llm.remote import RemoteLM, protocol
+from genlm_backend.serve import channel as channel_module
 from genlm_backend.serve.app import ServeApp
-from genlm_backend.serve.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
-from genlm_backend.serve.protocol import ServeLimits
-from genlm_backend.serve.slab import Slab, rows_view
+from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
+from genlm_backend.llm.remote.protocol import ServeLimits
+from genlm_backend.llm.remote.slab import Slab, rows_view
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, in_thread, wait_until
 
@@ -186,7 +186,7 @@ def test_closing_a_channel_ends_the_call_waiting_on_it_and_cancels_its_request()
 
 
 def test_a_connection_that_never_names_its_session_is_closed(monkeypatch):
-    monkeypatch.setattr(app_module, "HELLO_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(channel_module, "HELLO_TIMEOUT_S", 0.0)
     app = ServeApp(MockAsyncLM(byte_vocab=BYTE_VOCAB), ServeLimits(), log=lambda message: None)
 
     async def serve_a_silent_connection() -> bool:
@@ -197,7 +197,7 @@ def test_a_connection_that_never_names_its_session_is_closed(monkeypatch):
             def close(self) -> None:
                 closed.set()
 
-        await app._serve_channel(reader, Writer())  # type: ignore[arg-type]
+        await app.channel.serve_connection(reader, Writer())  # type: ignore[arg-type]
         return closed.is_set()
 
     assert asyncio.run(serve_a_silent_connection())

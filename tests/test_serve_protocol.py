@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genlm_backend.errors import RequestTooLargeError
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 
 LIMITS = protocol.ServeLimits(max_rows=16, max_context_length=64, max_body_bytes=1 << 16)
 

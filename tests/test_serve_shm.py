@@ -22,7 +22,7 @@ import torch
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RemoteModelError, ServerUnavailableError
 from genlm_backend.serve import RemoteLM
-from genlm_backend.serve.slab import Slab, slab_bytes
+from genlm_backend.llm.remote.slab import Slab, slab_bytes
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, wait_until
 
@@ -238,7 +238,7 @@ def test_a_killed_client_leaves_nothing_behind(server):
 def test_a_client_killed_before_its_slab_was_mapped_leaves_nothing_behind():
     """Between creating its slab and the server's mapping, a client's resource tracker owns it."""
     script = (
-        "import sys; from genlm_backend.serve.slab import Slab\n"
+        "import sys; from genlm_backend.llm.remote.slab import Slab\n"
         "slab = Slab.create(4, 256); print('slab', slab.name, flush=True)\n"
         "sys.stdin.readline()\n"
     )

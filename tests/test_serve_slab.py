@@ -1,4 +1,4 @@
-"""Shared-memory slabs (``genlm_backend.serve.slab``): the client's side here, the server's in a process.
+"""Shared-memory slabs (``genlm_backend.llm.remote.slab``): the client's side here, the server's in a process.
 
 The server's side is ``serve_slab_server.py``, which writes seeded rows
 (:func:`rows_of`); the reference for every row read back is the same rows
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genlm_backend.serve.slab import NAME_PREFIX, Slab
+from genlm_backend.llm.remote.slab import NAME_PREFIX, Slab
 from tests.serve_slab_server import rows_of
 from tests.serve_support import ServerProcess
 
@@ -114,7 +114,7 @@ def test_the_server_refuses_a_slab_it_cannot_open():
 
 
 def test_names_that_are_not_slabs_are_refused_before_opening():
-    from genlm_backend.serve.slab import SlabRefused
+    from genlm_backend.llm.remote.slab import SlabRefused
 
     for name in ("psm_123", NAME_PREFIX + "a/b", NAME_PREFIX + "x" * 60):
         with pytest.raises(SlabRefused, match="not a slab name"):
@@ -187,7 +187,7 @@ def test_a_refused_page_lock_leaves_no_cuda_error_in_the_server_s_thread():
     """CUDA keeps a failed call's error for its thread's next kernel launch: the call runs apart."""
     import numpy as np
 
-    from genlm_backend.serve.slab import _cuda_call_apart
+    from genlm_backend.llm.remote.slab import _cuda_call_apart
 
     memory = np.zeros(1 << 16, np.uint8)
     unregister = torch.cuda.cudart().cudaHostUnregister
@@ -198,7 +198,7 @@ def test_a_refused_page_lock_leaves_no_cuda_error_in_the_server_s_thread():
 
 
 def test_a_call_apart_raises_its_exception_in_the_caller_s_thread():
-    from genlm_backend.serve.slab import _cuda_call_apart
+    from genlm_backend.llm.remote.slab import _cuda_call_apart
 
     def refuse(code):
         raise OSError(code, "refused")
@@ -210,7 +210,7 @@ def test_a_call_apart_raises_its_exception_in_the_caller_s_thread():
 
 def test_a_failed_unlock_still_unmaps_the_slab(monkeypatch):
     """Closing a page-locked mapping whose unlock fails unmaps it all the same, and says why."""
-    import genlm_backend.serve.slab as slab_module
+    import genlm_backend.llm.remote.slab as slab_module
 
     def fail(*args):
         raise RuntimeError("no CUDA here")

@@ -26,7 +26,9 @@ loop while it computes, which costs nothing to particles that all wait for
 it; a server, which must keep reading requests meanwhile, sets
 :attr:`Engine.compute_in_loop` to ``False`` and its steps run in one worker
 thread. Spinning threads take the cores from other processes, so a CPU step
-adapts its thread count to the cores it gets (:class:`CpuThreads`).
+in the loop's thread adapts its thread count to the cores it gets
+(:class:`CpuThreads`); a row's last bits may then differ from those of the
+same row computed with the other count.
 """
 
 from __future__ import annotations
@@ -708,7 +710,7 @@ class Engine:
             batch = todo[:1]  # what a failing cost estimate fails
             try:
                 batch = self._within_budget(todo)
-                return StepOutcome(self._compute(batch))
+                return StepOutcome(self._compute(batch, in_loop=self.compute_in_loop))
             except Exception as exc:  # noqa: BLE001 - for the calls of this batch
                 return StepOutcome(dict.fromkeys(batch, exc), failed=True)
 
@@ -720,16 +722,18 @@ class Engine:
         costs = (self.runner.request_tokens(_as_request(r)) for r in todo)
         return todo[: config.next_batch_length(costs)]
 
-    def _compute(self, batch: list) -> dict:
+    def _compute(self, batch: list, in_loop: bool = False) -> dict:
         """``{request: value}`` for a batch of distinct rows and scores (lock held); rows enter the output cache.
 
         A request whose adapter was removed or re-registered since its call
         is not computed: its value is the ``ValueError`` its caller gets.
+        ``in_loop``: a step in the event loop's thread, whose torch threads
+        :attr:`cpu_threads` adapts (a worker's, or a synchronous caller's, keep theirs).
         """
         is_current = self.adapters.is_current
         rows = [r for r in batch if type(r) is Request and is_current(r.adapter)]
         scores = [r for r in batch if type(r) is ScoreRequest and is_current(r.adapter)]
-        threads = self.cpu_threads
+        threads = self.cpu_threads if in_loop else None
         start = threads.apply() if threads is not None else None
         found: dict = {}
         if rows:

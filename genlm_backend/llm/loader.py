@@ -123,7 +123,7 @@ def load_model_by_name(
     """
     llm_opts = dict(llm_opts or {})
     if isinstance(name, str) and name.startswith("genlm://"):  # a `genlm-backend serve` server
-        from genlm_backend.serve.client import RemoteLM
+        from genlm_backend.llm.remote.model import RemoteLM
 
         return RemoteLM.from_name(name, **llm_opts)
     backend = backend or default_backend()

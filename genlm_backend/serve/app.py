@@ -32,7 +32,7 @@ import torch
 
 from genlm_backend.errors import BackendClosedError, RequestTooLargeError
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 from genlm_backend.serve.asgi import (
     ClientGone,
     Reject,
@@ -43,25 +43,15 @@ from genlm_backend.serve.asgi import (
     too_large_message,
     wait_for_disconnect,
 )
-from genlm_backend.serve.channel import (
-    ERROR_ANSWER,
-    HELLO_ACCEPTED,
-    HELLO_TIMEOUT_S,
-    ROWS_ANSWER,
-    SLAB_ANSWER,
-    ChannelListener,
-    FrameTooLarge,
-    frame,
-    read_frame,
-)
+from genlm_backend.serve.channel import ChannelServer
 from genlm_backend.serve.endpoints import model_routes
 from genlm_backend.serve.gather import StepGather
 from genlm_backend.serve.info import model_info
-from genlm_backend.serve.protocol import LogprobsRequest, ServeLimits
+from genlm_backend.llm.remote.protocol import LogprobsRequest, ServeLimits
 from genlm_backend.serve.rows import batch_rows, held_rows
 from genlm_backend.serve.sessions import SlabSessions
-from genlm_backend.serve.slab import SlabRefused
-from genlm_backend.serve.stats import ServeStats
+from genlm_backend.llm.remote.slab import SlabRefused
+from genlm_backend.llm.remote.stats import ServeStats
 
 __all__ = ["Log", "ServeApp", "ServeStats"]
 
@@ -94,18 +84,18 @@ class ServeApp:
         lm.engine.compute_in_loop = False
         self.limits = limits
         self._token = None if token is None else f"Bearer {token}".encode()
-        self._log = log
+        self.log = log
         self.info = model_info(lm, limits, model_name, backend)
         self._model_id = self.info["model_id"].encode()
-        self._closing = asyncio.Event()
-        self._closing_reason = ""
-        self._closing_task: asyncio.Future | None = None
-        self._in_flight: set[asyncio.Task] = set()
-        self._held_sessions: set[asyncio.Task] = set()
+        self.closing = asyncio.Event()
+        self.closing_reason = ""
+        self.closing_watch_task: asyncio.Future | None = None
+        self.in_flight: set[asyncio.Task] = set()
+        self.held_sessions: set[asyncio.Task] = set()
         self.sessions = SlabSessions(lm.vocab_size)
         self.gather = StepGather()
-        self._channel: asyncio.Future[ChannelListener] | None = None
-        self._channel_refusal: str | None = None
+        self.channel = ChannelServer(self)
+        """Requests of slab sessions over a local socket (see :mod:`~genlm_backend.serve.channel`)."""
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
         self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))
@@ -135,7 +125,7 @@ class ServeApp:
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs in a task
         is_session = (scope["method"], scope["path"]) == ("POST", "/v1/session")
-        tasks = self._held_sessions if is_session else self._in_flight
+        tasks = self.held_sessions if is_session else self.in_flight
         tasks.add(task)
         try:
             if is_session:
@@ -144,7 +134,7 @@ class ServeApp:
             body, content_type = await self._answer(scope, receive)
             await send_answer(send, 200, body, content_type, self._model_id)
         except Reject as reject:
-            self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
+            self.count_rejected(reject)
             status = protocol.ERROR_STATUS[reject.kind]
             body = protocol.error_body(reject.kind, str(reject))
             await send_answer(send, status, body, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
@@ -173,8 +163,8 @@ class ServeApp:
     def _check_admission(self, scope) -> None:
         """Raises ``Reject`` for a request without the token, or once the server is closing."""
         self._check_token(scope)
-        if self._closing.is_set():
-            raise Reject("ShuttingDown", self._shutdown_message())
+        if self.closing.is_set():
+            raise Reject("ShuttingDown", self.shutdown_message())
 
     def _check_token(self, scope) -> None:
         if self._token is None:
@@ -189,11 +179,11 @@ class ServeApp:
     async def _post_logprobs(self, scope, receive) -> tuple[bytes, str]:
         body = await read_body(scope, receive, self.limits.max_body_bytes)
         host, port = scope.get("client") or ("?", 0)
-        return await self._logprobs_answer(
+        return await self.answer_logprobs(
             body, lambda: wait_for_disconnect(receive), f"client {host}:{port}"
         )
 
-    async def _logprobs_answer(
+    async def answer_logprobs(
         self, body: bytes, gone: Callable[[], Awaitable], who: str
     ) -> tuple[bytes, str]:
         """A ``/v1/logprobs`` body's answer and its content type, over HTTP or a local channel.
@@ -232,7 +222,7 @@ class ServeApp:
         try:
             return held_rows(self.lm, request.contexts, names.pop())
         except BackendClosedError:
-            raise Reject("ShuttingDown", self._shutdown_message()) from None
+            raise Reject("ShuttingDown", self.shutdown_message()) from None
         except (TypeError, ValueError) as exc:
             raise Reject(type(exc).__name__, str(exc)) from None
 
@@ -301,124 +291,17 @@ class ServeApp:
                     "accepted": True,
                     "session": session,
                     "reason": "",
-                    "channel": await self._channel_address(),
+                    "channel": await self.channel.address(),
                 }
             )
             await send_open_answer(send, accepted, protocol.MSGPACK_CONTENT_TYPE, self._model_id)
-            await _first_of(wait_for_disconnect(receive), self._closing.wait())
-            if self._closing.is_set():
+            await _first_of(wait_for_disconnect(receive), self.closing.wait())
+            if self.closing.is_set():
                 await end_open_answer(send)
         finally:
             client = self.sessions.close(session)
             if client is not None and not self.sessions.has_client(client):
                 self.gather.forget(client)
-
-    # ------------------------------------------------------------------ local channel
-
-    async def _channel_address(self) -> str:
-        """The local channel's address, listening from the first session on (``""``: none here)."""
-        if self._channel is None:
-            self._channel = asyncio.ensure_future(ChannelListener.start(self._serve_channel))
-        try:
-            listener = await asyncio.shield(self._channel)
-        except Exception as exc:  # noqa: BLE001 - e.g. no Unix sockets on this platform
-            if self._channel_refusal is None:
-                self._channel_refusal = str(exc)
-                self._log(f"no local channel ({exc}): clients on this machine use HTTP")
-            return ""
-        return "" if self._closing.is_set() else listener.address
-
-    async def _serve_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        """One client's channel connection: its hello, then one answer per request frame."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._held_sessions.add(task)
-        try:
-            try:
-                hello = await asyncio.wait_for(self._next_frame(reader), HELLO_TIMEOUT_S)
-            except TimeoutError:
-                return  # a connection that never named its session
-            if hello is None:
-                return
-            session, who = self._channel_session(hello)
-            if session is None:
-                writer.write(frame(ERROR_ANSWER + protocol.error_body("Unauthorized", who)))
-                await writer.drain()
-                return
-            writer.write(frame(HELLO_ACCEPTED))
-            while True:
-                try:
-                    body = await self._next_frame(reader)
-                except FrameTooLarge as exc:
-                    reject = Reject(
-                        "RequestTooLarge", too_large_message(exc.num_bytes, self._max_frame)
-                    )
-                    writer.write(frame(self._channel_error(reject)))
-                    continue
-                if body is None:
-                    return
-                self._in_flight.add(task)
-                try:
-                    answer = await self._channel_answer(body, reader, who)
-                finally:
-                    self._in_flight.discard(task)
-                if answer is None:
-                    return
-                writer.write(frame(answer))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, FrameTooLarge):
-            pass  # the client went away between requests, or sent an oversized hello
-        finally:
-            self._held_sessions.discard(task)
-            writer.close()
-
-    @property
-    def _max_frame(self) -> int:
-        return self.limits.max_body_bytes
-
-    async def _next_frame(self, reader: asyncio.StreamReader) -> bytes | None:
-        """The next frame, ``None`` once the client closed or the server is closing."""
-        read = asyncio.ensure_future(read_frame(reader, self._max_frame))
-        try:
-            await asyncio.wait({read, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled: the hello's time is up, or the handler's end
-            read.cancel()
-            raise
-        if not read.done():  # closing
-            read.cancel()
-            return None
-        return read.result()
-
-    def _channel_session(self, hello: bytes) -> tuple[str | None, str]:
-        """The open session a hello names, and the client's name for the log; else ``None``
-        and why."""
-        try:
-            session = protocol.unpack(hello).get("session")
-        except ValueError as exc:
-            return None, f"a malformed hello ({exc})"
-        client = self.sessions.client_of(session) if isinstance(session, str) else None
-        if client is None:
-            return None, "the hello names no open session of this server"
-        return session, f"client {client[:12]} (local channel)"
-
-    async def _channel_answer(
-        self, body: bytes, reader: asyncio.StreamReader, who: str
-    ) -> bytes | None:
-        """A request frame's answer frame; ``None``: the client went away."""
-        try:
-            if self._closing.is_set():
-                raise Reject("ShuttingDown", self._shutdown_message())
-            rows, content_type = await self._logprobs_answer(body, lambda: reader.read(1), who)
-        except Reject as reject:
-            return self._channel_error(reject)
-        except ClientGone:
-            return None
-        kind = SLAB_ANSWER if content_type == protocol.SLAB_CONTENT_TYPE else ROWS_ANSWER
-        return kind + rows
-
-    def _channel_error(self, reject: Reject) -> bytes:
-        self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
-        return ERROR_ANSWER + protocol.error_body(reject.kind, str(reject))
 
     async def _until_gone_or_closing(
         self, work: Awaitable, gone_wait: Callable[[], Awaitable], who: str
@@ -429,7 +312,7 @@ class ServeApp:
         gone = asyncio.ensure_future(gone_wait())
         try:
             await asyncio.wait(
-                {compute, gone, self._closing_watch()}, return_when=asyncio.FIRST_COMPLETED
+                {compute, gone, self.closing_watch()}, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             gone.cancel()  # nobody awaits it: it ends on the loop's next pass
@@ -437,18 +320,18 @@ class ServeApp:
                 compute.cancel()
                 await asyncio.wait({compute})  # its clean-up runs before the answer
         if not compute.cancelled():
-            return _result_or_reject(compute, self._shutdown_message)
-        if self._closing.is_set():
-            raise Reject("ShuttingDown", self._shutdown_message())
+            return _result_or_reject(compute, self.shutdown_message)
+        if self.closing.is_set():
+            raise Reject("ShuttingDown", self.shutdown_message())
         self._counts["cancelled"] += 1
-        self._log(f"{who} went away: its request was cancelled")
+        self.log(f"{who} went away: its request was cancelled")
         raise ClientGone
 
-    def _closing_watch(self) -> asyncio.Future:
+    def closing_watch(self) -> asyncio.Future:
         """A task done once the server closes: one for every request (none made per request)."""
-        task = self._closing_task
+        task = self.closing_watch_task
         if task is None or task.get_loop() is not asyncio.get_running_loop():
-            task = self._closing_task = asyncio.ensure_future(self._closing.wait())
+            task = self.closing_watch_task = asyncio.ensure_future(self.closing.wait())
         return task
 
     # ------------------------------------------------------------------ shutdown
@@ -458,28 +341,29 @@ class ServeApp:
 
         Waits up to ``grace_s`` for those answers to be sent. Idempotent.
         """
-        if self._closing.is_set():
+        if self.closing.is_set():
             return
-        self._closing_reason = reason
-        num_pending = len(self._in_flight)
-        self._closing.set()
-        self._log(f"shutting down ({reason}): failing {num_pending} request(s) in flight")
-        pending = self._in_flight | self._held_sessions
+        self.closing_reason = reason
+        num_pending = len(self.in_flight)
+        self.closing.set()
+        self.log(f"shutting down ({reason}): failing {num_pending} request(s) in flight")
+        pending = self.in_flight | self.held_sessions
         pending.discard(asyncio.current_task())  # type: ignore[arg-type]
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         self.sessions.close_all()
-        self._close_channel()  # its connections ended above
+        self.channel.close()  # its connections ended above
         await self.lm.aclose()
 
-    def _close_channel(self) -> None:
-        channel = self._channel
-        if channel is None or not channel.done() or channel.cancelled() or channel.exception():
-            return  # never listened
-        channel.result().close()
+    @property
+    def max_body_bytes(self) -> int:
+        return self.limits.max_body_bytes
 
-    def _shutdown_message(self) -> str:
-        reason = f" ({self._closing_reason})" if self._closing_reason else ""
+    def count_rejected(self, reject: Reject) -> None:
+        self._counts["rejected" if reject.kind != "ShuttingDown" else "shutdown"] += 1
+
+    def shutdown_message(self) -> str:
+        reason = f" ({self.closing_reason})" if self.closing_reason else ""
         return f"the server is shutting down{reason}; this request was not computed"
 
 

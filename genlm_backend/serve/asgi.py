@@ -6,7 +6,7 @@ Two exceptions carry a request's fate to the app's one answering place:
 
 from __future__ import annotations
 
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 
 SEND_CHUNK_BYTES = 1 << 20
 """Answers are sent in slices of this size (see :func:`send_answer`)."""

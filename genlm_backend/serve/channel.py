@@ -1,72 +1,183 @@
-"""A slab session's local channel: ``/v1/logprobs`` round trips without HTTP, for clients on the server's machine.
+"""The server's side of a slab session's local channel (the frames are :mod:`~genlm_backend.llm.remote.channel`'s).
 
-A client whose slab the server mapped gets, in the session's accepted
-answer, the address of the server's local socket (a Unix-domain socket: a
-Linux abstract name, which leaves nothing in the file system, or a path in
-a private directory elsewhere). It connects once and names its session in a
-first frame; from then on each batch is one frame each way on that
-connection, the request's body as for ``POST /v1/logprobs`` and its answer:
-
-    frame   := length (uint32, little-endian) payload
-    hello   := frame(msgpack {"session": str})  ->  frame(b"O") | frame(b"E" + error map)
-    request := frame(logprobs request body)     ->  frame(answer)
-    answer  := b"S" + msgpack {"num_rows": int}   rows in the session's slab
-             | b"R" + float32 rows                  rows here (they did not fit the slab)
-             | b"E" + msgpack {"kind", "message"}   this request failed; the channel stays open
-
-Knowing the session's id (random, given only to the client that offered
-the slab, with its token when the server asks for one) is what lets a
-connection in. A request over the channel has the same limits, errors,
-cancellation and shutdown as one over HTTP: the client closing the
-connection (or dying) cancels its request; a shutdown answers
-``ShuttingDown`` and closes every channel. The session's lifetime is still
-its HTTP answer's (:mod:`~genlm_backend.serve.sessions`): a channel whose
-session ended answers with rows in frames.
-
-Why: a loopback HTTP exchange costs about 0.4 ms on each side of a round
-trip on a 2-vCPU machine (urllib3, uvicorn, ASGI) where a frame costs a few
-tens of microseconds; a held batch's whole round trip is a few milliseconds.
+From a server's first slab session on, it listens on a local socket
+(:class:`ChannelListener`) whose address it gives in each session's accepted
+answer. :class:`ChannelServer` serves each connection: its hello names an open
+session, then each request frame gets one answer frame, computed by the same
+server function as a ``POST /v1/logprobs`` (``answer_logprobs``), with the same
+limits, errors, cancellation (the client closing the connection) and
+shutdown answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
-import select
 import shutil
-import socket
 import sys
 import tempfile
-import threading
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-import msgpack
-
-from genlm_backend.errors import ServerUnavailableError
-from genlm_backend.serve import protocol
-
-LENGTH_BYTES = 4
-HAS_UNIX_SOCKETS = hasattr(socket, "AF_UNIX")
-
-SLAB_ANSWER = b"S"
-ROWS_ANSWER = b"R"
-ERROR_ANSWER = b"E"
-HELLO_ACCEPTED = b"O"
-HELLO_TIMEOUT_S = 10.0
-"""A connection that has not named its session by then is closed."""
-
-
-def frame(payload: bytes) -> bytes:
-    """``payload`` with its length before it, as it goes on the channel."""
-    return len(payload).to_bytes(LENGTH_BYTES, "little") + payload
+from genlm_backend.llm.remote import protocol
+from genlm_backend.llm.remote.channel import (
+    ERROR_ANSWER,
+    HAS_UNIX_SOCKETS,
+    HELLO_ACCEPTED,
+    HELLO_TIMEOUT_S,
+    LENGTH_BYTES,
+    ROWS_ANSWER,
+    SLAB_ANSWER,
+    frame,
+)
+from genlm_backend.serve.asgi import ClientGone, Reject, too_large_message
+from genlm_backend.serve.sessions import SlabSessions
 
 
-class ChannelRefused(Exception):
-    """A client cannot use the server's local channel (the message says why); HTTP stays."""
+class ChannelHost(Protocol):
+    """What a :class:`ChannelServer` uses of its server (:class:`~genlm_backend.serve.app.ServeApp`)."""
+
+    sessions: SlabSessions
+    closing: asyncio.Event
+    in_flight: set[asyncio.Task]
+    held_sessions: set[asyncio.Task]
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    def closing_watch(self) -> asyncio.Future: ...
+
+    def shutdown_message(self) -> str: ...
+
+    def count_rejected(self, reject: Reject) -> None: ...
+
+    def log(self, line: str) -> None: ...
+
+    async def answer_logprobs(
+        self, body: bytes, gone: Callable[[], Awaitable], who: str
+    ) -> tuple[bytes, str]: ...
 
 
-# ---------------------------------------------------------------------- the server's side
+class ChannelServer:
+    """Listens from the first slab session on, and serves each channel connection.
+
+    Args:
+        host: The server whose requests the channel carries.
+    """
+
+    def __init__(self, host: ChannelHost):
+        self.host = host
+        self._listener: asyncio.Future[ChannelListener] | None = None
+        self._refusal: str | None = None
+
+    async def address(self) -> str:
+        """The local channel's address, listening from the first call on (``""``: none here)."""
+        if self._listener is None:
+            self._listener = asyncio.ensure_future(ChannelListener.start(self.serve_connection))
+        try:
+            listener = await asyncio.shield(self._listener)
+        except Exception as exc:  # noqa: BLE001 - e.g. no Unix sockets on this platform
+            if self._refusal is None:
+                self._refusal = str(exc)
+                self.host.log(f"no local channel ({exc}): clients on this machine use HTTP")
+            return ""
+        return "" if self.host.closing.is_set() else listener.address
+
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        """One client's channel connection: its hello, then one answer per request frame."""
+        host = self.host
+        task = asyncio.current_task()
+        assert task is not None
+        host.held_sessions.add(task)
+        try:
+            try:
+                hello = await asyncio.wait_for(self._next_frame(reader), HELLO_TIMEOUT_S)
+            except TimeoutError:
+                return  # a connection that never named its session
+            if hello is None:
+                return
+            session, who = self._session_of(hello)
+            if session is None:
+                writer.write(frame(ERROR_ANSWER + protocol.error_body("Unauthorized", who)))
+                await writer.drain()
+                return
+            writer.write(frame(HELLO_ACCEPTED))
+            while True:
+                try:
+                    body = await self._next_frame(reader)
+                except FrameTooLarge as exc:
+                    message = too_large_message(exc.num_bytes, host.max_body_bytes)
+                    writer.write(frame(self._error(Reject("RequestTooLarge", message))))
+                    continue
+                if body is None:
+                    return
+                host.in_flight.add(task)
+                try:
+                    answer = await self._answer(body, reader, who)
+                finally:
+                    host.in_flight.discard(task)
+                if answer is None:
+                    return
+                writer.write(frame(answer))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, FrameTooLarge):
+            pass  # the client went away between requests, or sent an oversized hello
+        finally:
+            host.held_sessions.discard(task)
+            writer.close()
+
+    async def _next_frame(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The next frame, ``None`` once the client closed or the server is closing."""
+        read = asyncio.ensure_future(read_frame(reader, self.host.max_body_bytes))
+        try:
+            await asyncio.wait(
+                {read, self.host.closing_watch()}, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:  # cancelled: the hello's time is up, or the handler's end
+            read.cancel()
+            raise
+        if not read.done():  # closing
+            read.cancel()
+            return None
+        return read.result()
+
+    def _session_of(self, hello: bytes) -> tuple[str | None, str]:
+        """The open session a hello names, and the client's name for the log; else ``None``
+        and why."""
+        try:
+            session = protocol.unpack(hello).get("session")
+        except ValueError as exc:
+            return None, f"a malformed hello ({exc})"
+        client = self.host.sessions.client_of(session) if isinstance(session, str) else None
+        if client is None:
+            return None, "the hello names no open session of this server"
+        return session, f"client {client[:12]} (local channel)"
+
+    async def _answer(self, body: bytes, reader: asyncio.StreamReader, who: str) -> bytes | None:
+        """A request frame's answer frame; ``None``: the client went away."""
+        host = self.host
+        try:
+            if host.closing.is_set():
+                raise Reject("ShuttingDown", host.shutdown_message())
+            rows, content_type = await host.answer_logprobs(body, lambda: reader.read(1), who)
+        except Reject as reject:
+            return self._error(reject)
+        except ClientGone:
+            return None
+        kind = SLAB_ANSWER if content_type == protocol.SLAB_CONTENT_TYPE else ROWS_ANSWER
+        return kind + rows
+
+    def _error(self, reject: Reject) -> bytes:
+        self.host.count_rejected(reject)
+        return ERROR_ANSWER + protocol.error_body(reject.kind, str(reject))
+
+    def close(self) -> None:
+        """Stop listening (connections end with their handlers). Idempotent."""
+        listener = self._listener
+        if listener is None or not listener.done() or listener.cancelled() or listener.exception():
+            return  # never listened
+        listener.result().close()
 
 
 class ChannelListener:
@@ -138,101 +249,3 @@ class FrameTooLarge(Exception):
     def __init__(self, num_bytes: int):
         super().__init__(num_bytes)
         self.num_bytes = num_bytes
-
-
-# ---------------------------------------------------------------------- the client's side
-
-
-class ChannelClient:
-    """One client's connection to its server's local channel, bound to its slab session.
-
-    Used by one thread at a time (the client's ``RemoteRunner``, under its
-    ``AsyncLM``'s compute lock); a lock makes other use wait, not interleave.
-
-    Args:
-        address: The server's channel address (from the session's accepted answer).
-        session: The session this channel writes into.
-        url: The server's URL, for messages.
-        read_timeout_s: Most seconds to wait for an answer.
-    """
-
-    def __init__(self, address: str, session: str, url: str, read_timeout_s: float):
-        self.url = url
-        self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.settimeout(read_timeout_s)
-            self._sock.connect(address)
-            answer = self._exchange(protocol.pack({"session": session}))
-        except (OSError, ServerUnavailableError) as exc:
-            self._sock.close()
-            raise ChannelRefused(f"cannot use the server's local channel ({exc})") from None
-        if answer[:1] != HELLO_ACCEPTED:
-            self._sock.close()
-            raise ChannelRefused(f"the server refused its local channel: {_message(answer)}")
-
-    def call(self, body: bytes) -> tuple[bytes, memoryview]:
-        """One request's answer: its kind (:data:`SLAB_ANSWER`, :data:`ROWS_ANSWER`,
-        :data:`ERROR_ANSWER`) and payload.
-
-        Raises:
-            ServerUnavailableError: the server closed the channel, or gave no answer in
-                time; the channel is closed then.
-        """
-        with self._lock:
-            answer = self._exchange(body)
-        return bytes(answer[:1]), answer[1:]
-
-    def _exchange(self, payload: bytes) -> memoryview:
-        try:
-            self._sock.sendall(frame(payload))
-            length = int.from_bytes(self._receive(LENGTH_BYTES), "little")
-            return self._receive(length)
-        except TimeoutError:
-            self.close()
-            raise ServerUnavailableError(
-                f"the server at {self.url} gave no answer in time (its local channel); "
-                "the next call tries again"
-            ) from None
-        except (OSError, EOFError) as exc:
-            self.close()
-            raise ServerUnavailableError(
-                f"the server at {self.url} closed its local channel during the request "
-                f"({type(exc).__name__}): it stopped or crashed. The next call reconnects"
-            ) from None
-
-    def _receive(self, num_bytes: int) -> memoryview:
-        buffer = bytearray(num_bytes)
-        view, received = memoryview(buffer), 0
-        while received < num_bytes:
-            count = self._sock.recv_into(view[received:])
-            if count == 0:
-                raise EOFError("the connection closed")
-            received += count
-        return view
-
-    def is_dropped(self) -> bool:
-        """Whether the server closed this idle channel (it stopped, or restarted): readable
-        between requests means closed, as for a kept-alive HTTP connection."""
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-        except (OSError, ValueError):  # closed here
-            return True
-        return bool(readable)
-
-    def close(self) -> None:
-        """Close the connection (the server cancels a request in flight). Idempotent.
-
-        From another thread too: a call waiting for its answer there ends at once,
-        with ``ServerUnavailableError``.
-        """
-        with contextlib.suppress(OSError):  # not connected, or already closed
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-
-
-def _message(answer: memoryview) -> str:
-    try:
-        return str(msgpack.unpackb(answer[1:])["message"])
-    except Exception:  # noqa: BLE001 - any malformed answer is reported as such
-        return f"an unreadable answer ({answer[:40]!r})"

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from genlm_backend.serve.protocol import DEFAULT_PORT, ServeLimits
-from genlm_backend.serve.server import TOKEN_ENV
+from genlm_backend.llm.remote.protocol import DEFAULT_PORT, ServeLimits
+from genlm_backend.llm.remote.protocol import TOKEN_ENV
 
 DESCRIPTION = f"""\
 Hold one model in this process and serve next-token log-probabilities to

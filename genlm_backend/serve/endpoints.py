@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 
 Handler = Callable[[bytes], Awaitable[tuple[bytes, str]]]
 

@@ -1,4 +1,4 @@
-"""What a client learns once, at connection: the model's identity, vocabulary, tokenizer and limits.
+"""What a server tells a client once, at connection: the model's identity, vocabulary, tokenizer and limits.
 
 The tokenizer travels as the files ``save_pretrained`` writes (a few MB at
 most), not as a path: the client may run on another machine, and a file
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.serve.protocol import PROTOCOL_VERSION, ServeLimits
+from genlm_backend.llm.remote.protocol import PROTOCOL_VERSION, ServeLimits
 
 
 def model_info(lm: AsyncLM, limits: ServeLimits, model_name: str, backend: str) -> dict:
@@ -34,16 +34,6 @@ def model_info(lm: AsyncLM, limits: ServeLimits, model_name: str, backend: str) 
         "max_body_bytes": limits.max_body_bytes,
         "adapters": {name: adapter.path for name, adapter in lm.adapters.registered().items()},
     }
-
-
-def byte_vocab_of(info: dict) -> list:
-    """The server's ``byte_vocab`` from its info: ``Token``\\ s where the server has them."""
-    from genlm_backend.tokenization import Token
-
-    token_ids = info.get("token_ids")
-    if token_ids is None:
-        return list(info["byte_vocab"])
-    return [Token(token_id, token) for token_id, token in zip(token_ids, info["byte_vocab"])]
 
 
 def _token_ids(byte_vocab) -> list[int] | None:
@@ -71,27 +61,6 @@ def tokenizer_files(tokenizer) -> dict[str, bytes] | None:
     with tempfile.TemporaryDirectory(prefix="genlm-serve-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
-
-
-def load_tokenizer(info: dict):
-    """The server's Hugging Face tokenizer from its info (``None`` where it has none).
-
-    Loaded from the files :func:`tokenizer_files` sent; its ``name_or_path`` is
-    the server's (some libraries pick per-model behaviour by it, e.g.
-    genlm-control's canonical-tokenization overrides for GPT-2).
-    """
-    files = info.get("tokenizer_files")
-    if files is None:
-        return None
-    from transformers import AutoTokenizer
-
-    with tempfile.TemporaryDirectory(prefix="genlm-remote-tokenizer-") as folder:
-        for name, content in files.items():
-            (Path(folder) / Path(name).name).write_bytes(content)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    if info.get("tokenizer_name_or_path") is not None:
-        tokenizer.name_or_path = info["tokenizer_name_or_path"]
-    return tokenizer
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

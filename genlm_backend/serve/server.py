@@ -20,9 +20,8 @@ import uvicorn
 
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.serve.app import Log, ServeApp
-from genlm_backend.serve.protocol import ServeLimits
+from genlm_backend.llm.remote.protocol import TOKEN_ENV, ServeLimits
 
-TOKEN_ENV = "GENLM_SERVE_TOKEN"
 """Environment variable holding the shared token, on the server and on clients."""
 
 

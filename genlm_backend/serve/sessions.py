@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from genlm_backend.serve.protocol import SlabOffer
-from genlm_backend.serve.slab import Slab
+from genlm_backend.llm.remote.protocol import SlabOffer
+from genlm_backend.llm.remote.slab import Slab
 
 
 class SlabSessions:

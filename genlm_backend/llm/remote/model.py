@@ -12,12 +12,14 @@ client become one batch, and that batch is one POST::
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from genlm_backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.serve import protocol
-from genlm_backend.serve.info import byte_vocab_of, load_tokenizer
-from genlm_backend.serve.remote_runner import RemoteRunner
-from genlm_backend.serve.stats import ServeStats
+from genlm_backend.llm.remote import protocol
+from genlm_backend.llm.remote.runner import RemoteRunner
+from genlm_backend.llm.remote.stats import ServeStats
 
 __all__ = ["REMOTE_SCHEME", "RemoteLM", "RemoteRunner", "http_url"]
 
@@ -139,3 +141,34 @@ def http_url(url: str) -> str:
     if url.startswith(("http://", "https://")):
         return url
     raise ValueError(f"a server address is genlm://HOST:PORT or http://HOST:PORT, got {url!r}")
+
+
+def byte_vocab_of(info: dict) -> list:
+    """The server's ``byte_vocab`` from its info: ``Token``\\ s where the server has them."""
+    from genlm_backend.tokenization import Token
+
+    token_ids = info.get("token_ids")
+    if token_ids is None:
+        return list(info["byte_vocab"])
+    return [Token(token_id, token) for token_id, token in zip(token_ids, info["byte_vocab"])]
+
+
+def load_tokenizer(info: dict):
+    """The server's Hugging Face tokenizer from its info (``None`` where it has none).
+
+    Loaded from the files :func:`tokenizer_files` sent; its ``name_or_path`` is
+    the server's (some libraries pick per-model behaviour by it, e.g.
+    genlm-control's canonical-tokenization overrides for GPT-2).
+    """
+    files = info.get("tokenizer_files")
+    if files is None:
+        return None
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="genlm-remote-tokenizer-") as folder:
+        for name, content in files.items():
+            (Path(folder) / Path(name).name).write_bytes(content)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if info.get("tokenizer_name_or_path") is not None:
+        tokenizer.name_or_path = info["tokenizer_name_or_path"]
+    return tokenizer

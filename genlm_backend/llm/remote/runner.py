@@ -1,7 +1,7 @@
-"""The runner of a :class:`~genlm_backend.serve.client.RemoteLM`: one round trip to the server per batch.
+"""The runner of a :class:`~genlm_backend.llm.remote.model.RemoteLM`: one round trip to the server per batch.
 
 Rows come back through this client's shared-memory slab when the server
-runs on this machine (:mod:`~genlm_backend.serve.client_slab`), else in the
+runs on this machine (:mod:`~genlm_backend.llm.remote.client_slab`), else in the
 answer's body.
 """
 
@@ -16,11 +16,11 @@ import urllib3
 
 from genlm_backend.errors import ServerModelChangedError, ServerUnavailableError
 from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
-from genlm_backend.serve import http, protocol
-from genlm_backend.serve.channel import ROWS_ANSWER, SLAB_ANSWER
-from genlm_backend.serve.client_slab import ClientSlab
-from genlm_backend.serve.server import TOKEN_ENV
-from genlm_backend.serve.slab import SlabRefused
+from genlm_backend.llm.remote import http, protocol
+from genlm_backend.llm.remote.protocol import TOKEN_ENV
+from genlm_backend.llm.remote.channel import ROWS_ANSWER, SLAB_ANSWER
+from genlm_backend.llm.remote.client_slab import ClientSlab
+from genlm_backend.llm.remote.slab import SlabRefused
 
 
 class RemoteRunner:
@@ -28,13 +28,13 @@ class RemoteRunner:
 
     Synchronous (it runs in the ``AsyncLM``'s worker thread or a ``*_sync``
     caller's thread); each call is one round trip: a frame each way on its
-    slab session's local channel (:mod:`~genlm_backend.serve.channel`) on the
+    slab session's local channel (:mod:`~genlm_backend.llm.remote.channel`) on the
     server's machine, else one HTTP request (urllib3) on a kept-alive
     connection; either is reopened on the next call after a failure. Nothing is
     retried.
 
     Rows: on the server's machine, the server writes them into this client's
-    shared-memory slab (:class:`~genlm_backend.serve.client_slab.ClientSlab`),
+    shared-memory slab (:class:`~genlm_backend.llm.remote.client_slab.ClientSlab`),
     in a region lent to the tensor :meth:`run` returns (no copy here) or, when
     the caller still holds every lent region, in its scratch part, from which
     they are copied once; elsewhere (or with ``shared_memory=False``) they

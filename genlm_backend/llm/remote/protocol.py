@@ -1,7 +1,7 @@
 """What travels between a ``genlm-backend serve`` server and a :class:`RemoteLM`, and its limits.
 
 HTTP/1.1, one POST per batch (or, for a client on the server's machine, a frame
-on its slab session's local channel: :mod:`~genlm_backend.serve.channel`). Request bodies and small answers are msgpack
+on its slab session's local channel: :mod:`~genlm_backend.llm.remote.channel`). Request bodies and small answers are msgpack
 maps; token ids travel as ``int32`` little-endian bytes and log-probability
 rows as raw ``float32`` little-endian bytes, ``[rows, vocab]`` in C order
 (never as text). Every answer that is not rows is a msgpack map; a failure is
@@ -23,12 +23,12 @@ Endpoints (all under ``/v1``):
   batch of particles behind one prompt carries the prompt once.
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
   a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times
-  ``max_rows`` rows (see :mod:`~genlm_backend.serve.slab`) ->
+  ``max_rows`` rows (see :mod:`~genlm_backend.llm.remote.slab`) ->
   ``{"accepted": bool, "session": str, "reason": str, "channel": str}``. An accepted
   session's answer stays open (chunked, nothing more is sent): the server keeps the slab
   mapped until the client closes it (or dies), or the server shuts down. ``channel``
   (``""``: none) is the address of the server's local socket, over which the session's
-  ``/v1/logprobs`` requests go in frames instead (:mod:`~genlm_backend.serve.channel`).
+  ``/v1/logprobs`` requests go in frames instead (:mod:`~genlm_backend.llm.remote.channel`).
 * ``POST /v1/lora``: ``{"op": "add" | "remove", "name": str, "path": str}``.
 * ``POST /v1/clear``: ``{"what": "all" | "kv"}``.
 * ``GET /v1/stats``: ``{"lm": LMStats fields, "server": ServeStats fields}``.
@@ -45,7 +45,6 @@ import msgpack
 import numpy as np
 import torch
 
-from genlm_backend.llm.engine import is_int
 
 PROTOCOL_VERSION = 3
 TOKEN_HEADER = "authorization"
@@ -54,9 +53,11 @@ ROWS_CONTENT_TYPE = "application/x-float32-le"
 SLAB_CONTENT_TYPE = "application/x-genlm-slab"
 SLAB_BATCHES = 3
 """A slab holds at most this many batches of ``max_rows`` rows: one the client copies out of,
-two it lends to the tensors it returns (see :mod:`~genlm_backend.serve.client_slab`)."""
+two it lends to the tensors it returns (see :mod:`~genlm_backend.llm.remote.client_slab`)."""
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 DEFAULT_PORT = 8765
+TOKEN_ENV = "GENLM_SERVE_TOKEN"
+"""Where a server and its clients read the shared token when none is given."""
 
 ERROR_STATUS = {
     "TypeError": 400,  # a context of the wrong type
@@ -359,3 +360,8 @@ def decode_rows(content: bytes | memoryview, num_rows: int, vocab_size: int) -> 
 
 def _is_short_str(value) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 128
+
+
+def is_int(value) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)

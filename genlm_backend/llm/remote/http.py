@@ -10,7 +10,7 @@ from genlm_backend.errors import (
     ServerRejectedError,
     ServerUnavailableError,
 )
-from genlm_backend.serve import protocol
+from genlm_backend.llm.remote import protocol
 
 _ERRORS: dict[str, type[Exception]] = {
     "TypeError": TypeError,

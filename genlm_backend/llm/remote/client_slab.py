@@ -15,7 +15,7 @@ request again. When no region is free (the caller keeps many results), the
 rows go into the scratch part and are copied out, as from a slab without a
 lent part (one made where ``/dev/shm`` has no room for three batches). Lent
 views hold a second mapping of the slab
-(:meth:`~genlm_backend.serve.slab.Slab.lending_map`), so the memory stays
+(:meth:`~genlm_backend.llm.remote.slab.Slab.lending_map`), so the memory stays
 valid after the slab is closed or replaced, until the last view goes.
 """
 
@@ -31,9 +31,9 @@ import torch
 import urllib3
 
 from genlm_backend.errors import ServerUnavailableError
-from genlm_backend.serve import http, protocol
-from genlm_backend.serve.channel import HAS_UNIX_SOCKETS, ChannelClient, ChannelRefused
-from genlm_backend.serve.slab import Slab, SlabRefused, rows_view
+from genlm_backend.llm.remote import http, protocol
+from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, ChannelClient, ChannelRefused
+from genlm_backend.llm.remote.slab import Slab, SlabRefused, rows_view
 
 
 class RowLoans:
@@ -111,7 +111,7 @@ class ClientSlab:
         """Create a slab for batches of up to ``batch_rows`` rows and have the server at ``url`` map it.
 
         ``pool`` is a connection pool of its own (the session holds its one connection).
-        When the server offers its local channel (:mod:`~genlm_backend.serve.channel`), the
+        When the server offers its local channel (:mod:`~genlm_backend.llm.remote.channel`), the
         session connects to it; if that fails, its requests go over HTTP. ``check_answer``
         raises for an answer from a server this client must not use (another model).
 
