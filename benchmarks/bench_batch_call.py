@@ -42,6 +42,7 @@ async def measure(rows: int, vocab_size: int, repeats: int) -> dict[str, float]:
     """ms per call of each setup, in turns (warm-up excluded)."""
     contexts = [list(range(1000, 1025)) + [token] for token in range(rows)]
     worker, in_loop = make_lm(vocab_size, rows, False), make_lm(vocab_size, rows, True)
+
     async def floor():
         worker.runner.run(worker.requests(contexts, None, "token_ids_list"))
 

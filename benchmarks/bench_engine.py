@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_long_prompt import parse_workload, token_draws
+from bench_long_prompt import parse_workload, token_draws  # noqa: E402
 
 VARIANTS = ("loop", "ours-runner", "ours")
 WORKLOADS = ("64x32@64", "64x32@4096")
@@ -165,7 +165,12 @@ def main(argv=None) -> None:
             for variant in args.variants:
                 step_s = run_variant(model, variant, workload)
                 results.append(
-                    {"round": round_index, "workload": workload, "variant": variant, "step_s": step_s}
+                    {
+                        "round": round_index,
+                        "workload": workload,
+                        "variant": variant,
+                        "step_s": step_s,
+                    }
                 )
                 print(f"round {round_index + 1}: {workload} {variant}: {1e3 * step_s:.2f} ms")
     report(results, args.workloads, args.variants)

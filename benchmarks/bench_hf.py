@@ -228,9 +228,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs"
     )
-    parser.add_argument(
-        "--child", choices=("floor", "ours", "ours+worker"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--child", choices=("floor", "ours", "ours+worker"), help=argparse.SUPPRESS)
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

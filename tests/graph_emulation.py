@@ -17,7 +17,7 @@ made from host data raise :class:`HostSyncDuringCapture`.
 
 With ``emulated_graphs()`` active, the runner captures its one-token steps
 on CPU through an :class:`EmulatedGraphs` (see
-:func:`genlm_backend.llm.hf.graphs.graph_capture`).
+:func:`genlm_backend.llm.hf.capture.graph_capture`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from genlm_backend.llm.hf import graphs as hf_graphs
+from genlm_backend.llm.hf import capture as hf_capture
 
 _aten = torch.ops.aten
 
@@ -150,5 +150,5 @@ class EmulatedGraphs:
 def emulated_graphs() -> Iterator[EmulatedGraphs]:
     """While active, runners capture their one-token steps on any device through one :class:`EmulatedGraphs`."""
     graphs = EmulatedGraphs()
-    with mock.patch.object(hf_graphs, "graph_capture", lambda device: graphs):
+    with mock.patch.object(hf_capture, "graph_capture", lambda device: graphs):
         yield graphs

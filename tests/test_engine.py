@@ -451,7 +451,7 @@ def test_one_engine_serves_several_asyncio_runs_and_forgets_their_loops():
     llm = make_llm()
     for run in range(3):
 
-        async def main():
+        async def main(run=run):
             return await asyncio.gather(*(llm.next_token_logprobs([run, i]) for i in range(3)))
 
         check_rows(asyncio.run(main()), [(run, i) for i in range(3)])

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from genlm_backend.cache.kv_tree import KVPrefixTree
-from genlm_backend.llm.hf import graphs as hf_graphs
 from genlm_backend.cache.plan import LevelPolicy
+from genlm_backend.llm.hf import graphs as hf_graphs
 from genlm_backend.llm.hf.runner import HFRunner
 from genlm_backend.llm.runner import Request
 from tests import conftest

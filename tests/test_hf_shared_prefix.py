@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from genlm_backend.cache.kv_block import KVBlock
+from genlm_backend.cache.plan import LevelPolicy
 from genlm_backend.llm.hf import AsyncTransformer
 from genlm_backend.llm.hf.attention import (
     Cascade,
@@ -23,7 +24,6 @@ from genlm_backend.llm.hf.attention import (
     math_attention_with_lse,
     prefix_attention_with_lse,
 )
-from genlm_backend.cache.plan import LevelPolicy
 from genlm_backend.llm.runner import Request
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 from tests.hf_reference import assert_matches_reference, random_workload

@@ -71,3 +71,35 @@ def test_the_core_knows_no_backend_except_where_one_is_chosen_by_name():
         if backends:
             assert module in choosers, (module, backends)
             assert not {backend_of(t) for t in eager[module]} - {None}, module
+
+
+LAYERS_BELOW = {
+    "genlm_backend.cache": ("genlm_backend.llm", "genlm_backend.serve", "genlm_backend.trie"),
+    "genlm_backend.tokenization": (
+        "genlm_backend.llm",
+        "genlm_backend.serve",
+        "genlm_backend.trie",
+    ),
+    "genlm_backend.llm": ("genlm_backend.serve", "genlm_backend.trie", "genlm_backend.cli"),
+}
+"""A layer and the layers above it, which it never imports: the KV tree, its planner and the
+output cache call no model; a backend (``RemoteLM`` included) knows no server."""
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    for module, targets in package_imports().items():
+        for layer, above in LAYERS_BELOW.items():
+            if module == layer or module.startswith(layer + "."):
+                for target in targets:
+                    assert not target.startswith(above), (module, target)
+
+
+def test_the_client_of_a_server_is_a_backend_folder():
+    imports = package_imports()
+    assert "genlm_backend.llm.remote.model" in imports["genlm_backend.llm.loader"]
+    assert not any(
+        target.startswith("genlm_backend.serve")
+        for module, targets in imports.items()
+        if module.startswith("genlm_backend.llm.remote")
+        for target in targets
+    )

@@ -10,8 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genlm_backend.cache.kv_block import extendable_block
-from genlm_backend.cache.kv_tree import KVBlock, KVEntry, KVPrefixTree, Placement
-from genlm_backend.cache.kv_tree import NUM_RECENT_CONTEXTS
+from genlm_backend.cache.kv_tree import (
+    NUM_RECENT_CONTEXTS,
+    KVBlock,
+    KVEntry,
+    KVPrefixTree,
+    Placement,
+)
 
 NUM_LAYERS = 2
 

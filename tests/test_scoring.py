@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
+from genlm_backend.cache.plan import LevelPolicy
 from genlm_backend.llm import MockAsyncLM
 from genlm_backend.llm.hf import AsyncTransformer
-from genlm_backend.cache.plan import LevelPolicy
 from tests.hf_reference import ATOL, assert_matches_reference, reference
 
 EVERY_PIECE_A_LEVEL = LevelPolicy(min_shared_tokens=1, min_unshared_tokens=1)

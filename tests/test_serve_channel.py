@@ -21,11 +21,11 @@ import urllib3
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RequestTooLargeError, ServerUnavailableError
 from genlm_backend.llm.remote import RemoteLM, protocol
-from genlm_backend.serve import channel as channel_module
-from genlm_backend.serve.app import ServeApp
 from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
 from genlm_backend.llm.remote.protocol import ServeLimits
 from genlm_backend.llm.remote.slab import Slab, rows_view
+from genlm_backend.serve import channel as channel_module
+from genlm_backend.serve.app import ServeApp
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, in_thread, wait_until
 

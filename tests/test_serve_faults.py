@@ -24,8 +24,8 @@ from genlm_backend.errors import (
     ServerRejectedError,
     ServerUnavailableError,
 )
-from genlm_backend.llm.runner import Request
 from genlm_backend.llm.remote import RemoteLM, protocol
+from genlm_backend.llm.runner import Request
 from genlm_backend.serve.server import check_binding, is_loopback
 from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
 from tests.serve_support import ServerProcess, in_thread, process_env, wait_until

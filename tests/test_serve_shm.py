@@ -21,8 +21,8 @@ import torch
 
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RemoteModelError, ServerUnavailableError
-from genlm_backend.serve import RemoteLM
 from genlm_backend.llm.remote.slab import Slab, slab_bytes
+from genlm_backend.serve import RemoteLM
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, wait_until
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -246,10 +247,8 @@ class WaitingCalls(Generic[K]):
                     return
                 continue
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining_s)
-            except TimeoutError:
-                pass
 
     def take(self) -> list[Call[K]]:
         """Every waiting call still awaited, oldest first (now :attr:`computing`)."""
@@ -684,7 +683,11 @@ class Engine:
                     )
                 calls.count_step(outcome)
                 calls.settle(taken, outcome.found)
-                del taken, todo, outcome  # rows (lent memory, say) live no longer than their callers
+                del (
+                    taken,
+                    todo,
+                    outcome,
+                )  # rows (lent memory, say) live no longer than their callers
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError("this loop's queue was closed"))
             raise
@@ -816,10 +819,8 @@ class Engine:
         state.calls.fail_all(BatcherClosedError("this loop's queue was closed by a reset"))
         if state.task is not None and not state.task.done():
             state.task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await state.task
-            except asyncio.CancelledError:
-                pass
 
     async def aclose(self) -> None:
         """Fail the running loop's calls, wait off the loop for a step still computing, then :meth:`close`."""

@@ -33,6 +33,9 @@ import torch
 from genlm_backend.errors import BackendClosedError, RequestTooLargeError
 from genlm_backend.llm.base import AsyncLM
 from genlm_backend.llm.remote import protocol
+from genlm_backend.llm.remote.protocol import LogprobsRequest, ServeLimits
+from genlm_backend.llm.remote.slab import SlabRefused
+from genlm_backend.llm.remote.stats import ServeStats
 from genlm_backend.serve.asgi import (
     ClientGone,
     Reject,
@@ -40,18 +43,14 @@ from genlm_backend.serve.asgi import (
     read_body,
     send_answer,
     send_open_answer,
-    too_large_message,
     wait_for_disconnect,
 )
 from genlm_backend.serve.channel import ChannelServer
 from genlm_backend.serve.endpoints import model_routes
 from genlm_backend.serve.gather import StepGather
 from genlm_backend.serve.info import model_info
-from genlm_backend.llm.remote.protocol import LogprobsRequest, ServeLimits
 from genlm_backend.serve.rows import batch_rows, held_rows
 from genlm_backend.serve.sessions import SlabSessions
-from genlm_backend.llm.remote.slab import SlabRefused
-from genlm_backend.llm.remote.stats import ServeStats
 
 __all__ = ["Log", "ServeApp", "ServeStats"]
 

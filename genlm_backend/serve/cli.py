@@ -7,8 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from genlm_backend.llm.remote.protocol import DEFAULT_PORT, ServeLimits
-from genlm_backend.llm.remote.protocol import TOKEN_ENV
+from genlm_backend.llm.remote.protocol import DEFAULT_PORT, TOKEN_ENV, ServeLimits
 
 DESCRIPTION = f"""\
 Hold one model in this process and serve next-token log-probabilities to

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from genlm_backend.llm.base import AsyncLM
-from genlm_backend.serve.app import Log, ServeApp
 from genlm_backend.llm.remote.protocol import TOKEN_ENV, ServeLimits
+from genlm_backend.serve.app import Log, ServeApp
 
 """Environment variable holding the shared token, on the server and on clients."""
 

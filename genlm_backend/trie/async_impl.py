@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -279,7 +280,5 @@ class AsyncTokenCharacterTrie:
 async def _stop(calls: WaitingCalls, task: asyncio.Task) -> None:
     calls.fail_all(BatcherClosedError("the trie's queue was closed"))
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass

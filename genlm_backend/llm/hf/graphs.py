@@ -18,7 +18,9 @@ block moves to a copy if the tree still holds it, and the rows' own parts are
 copied into the storage, whose addresses do not change, so no recapture.
 Own parts outgrowing the storage go to a graph with more slots.
 
-Graphs are bounded in number and storage (least recently used dropped) and
+The graphs themselves, their memory pool and the captured function are
+:mod:`~genlm_backend.llm.hf.capture`'s. Graphs are bounded in number and
+storage (least recently used dropped) and
 dropped when a level they read is evicted from the tree. Everything else
 (prefill, multi-token passes, rows beyond the largest bucket, models whose
 shared levels are unsupported) runs eagerly (:class:`~genlm_backend.llm.hf.runner.HFRunner`).
@@ -26,123 +28,24 @@ shared levels are unsupported) runs eagerly (:class:`~genlm_backend.llm.hf.runne
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Segment
 from genlm_backend.cache.kv_tree import KVPrefixTree
-from genlm_backend.llm.hf.attention import Cascade, Level
-from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, grouped_kv_attention, kv_shape
 from genlm_backend.cache.plan import PassPlan, positions
-from genlm_backend.llm.runner import fit_to_vocab
-from genlm_backend.tokenization.token import gc_paused
+from genlm_backend.llm.hf import capture
+from genlm_backend.llm.hf.capture import CapturedStep, GraphKey, decode_one_token
+from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, kv_shape
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Row counts graphs are captured for: a step's rows are padded to the next one."""
-
-_TOKENS, _POSITIONS, _WRITES, _FIRSTS, _LEVELS = range(5)
-"""Rows of a graph's ``inputs``; one more per level (1 where the row reads it)."""
-
-
-class GraphCapture(Protocol):
-    """Captures a step: ``(replay, output)``, the output tensor each replay writes."""
-
-    def capture(
-        self, step: Callable[[], torch.Tensor]
-    ) -> tuple[Callable[[], None], torch.Tensor]: ...
-
-
-class CudaGraphs:
-    """Captures steps on one CUDA device as ``torch.cuda.CUDAGraph``\\ s sharing one memory pool.
-
-    The pool is a ``torch.cuda.MemPool`` this object holds for as long as it
-    lives (the process: one per device). A pool named only by a
-    ``graph_pool_handle`` is released once the last graph captured into it is
-    destroyed, and every later capture into that handle fails inside torch's
-    allocator (``use_count > 0``): a process whose graphs were all dropped
-    (evictions, adapter changes, closed runners) could then capture nothing.
-
-    A capture must not see work it did not ask for. Other threads' CUDA calls
-    (the event loop's thread draws tokens from CUDA rows while the worker
-    captures) are allowed by the ``thread_local`` capture mode; in the default
-    ``global`` mode a host synchronisation in any thread invalidates the
-    capture. Python's cyclic garbage collector is paused during a capture: a
-    collection there can destroy an unreachable runner's graphs, whose CUDA
-    calls would invalidate the capture from its own thread. One capture at a
-    time in the process (torch's rule), across devices and runners. A capture
-    that fails leaves torch's allocator still recording into its pool, which
-    then refuses every later capture: the pool is set aside (kept, never
-    freed) and the next capture gets a new one.
-    """
-
-    def __init__(self, index: int | None):
-        self._index = index
-        self._pool: Any = None  # a pool handle: torch types it apart from a plain tuple
-        self._pool_owner: Any = None  # the torch.cuda.MemPool behind _pool
-        self._abandoned: list[Any] = []  # pools a failed capture left recording
-
-    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        graph = torch.cuda.CUDAGraph()
-        with _CAPTURE_LOCK, torch.cuda.device(self._index), gc_paused():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()  # warm-up: lazy initialisations (libraries, workspaces) happen outside the graph
-            torch.cuda.current_stream().wait_stream(stream)
-            pool = self._shared_pool()
-            try:
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    output = step()
-            except BaseException:
-                self._abandon_pool()
-                raise
-        return graph.replay, output
-
-    def _shared_pool(self) -> Any:
-        if self._pool is None:
-            if not hasattr(torch.cuda, "MemPool"):  # torch before MemPool: a pool per graph
-                return torch.cuda.graph_pool_handle()
-            self._pool_owner = torch.cuda.MemPool()
-            self._pool = self._pool_owner.id
-        return self._pool
-
-    def _abandon_pool(self) -> None:
-        if self._pool_owner is not None:
-            self._abandoned.append(self._pool_owner)
-        self._pool = self._pool_owner = None
-
-
-_CAPTURE_LOCK = threading.Lock()
-"""Held by every capture of the process: torch allows one at a time."""
-
-
-@functools.cache
-def _cuda_graphs(index: int | None) -> CudaGraphs:
-    return CudaGraphs(index)
-
-
-def graph_capture(device: torch.device) -> GraphCapture | None:
-    """How steps on ``device`` are captured: CUDA graphs on a CUDA device, else ``None`` (eager steps)."""
-    return _cuda_graphs(device.index) if device.type == "cuda" else None
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """What a captured step's operations depend on besides its inputs."""
-
-    namespace: Hashable
-    num_rows: int
-    num_slots: int
-    levels: tuple[tuple[int, int, int, int], ...]
-    """``(id(block), row, start, length)`` of each level, sorted."""
 
 
 @dataclass(frozen=True)
@@ -155,58 +58,6 @@ class GraphStats:
     storage_bytes: int
     unsupported: str | None
     """Why steps run eagerly on this model (``None``: they are captured where the device can)."""
-
-
-class CapturedStep:
-    """A graph and what it reads and writes: its own-part storage, inputs and output.
-
-    ``current`` is the tree's block over the storage now (``None`` before the first step).
-    """
-
-    def __init__(self, key: GraphKey, storage: torch.Tensor, levels: Sequence[Piece]):
-        self.key = key
-        self.storage = storage  # [L, 2, R, H, T, D]
-        self.inputs = torch.zeros(
-            _LEVELS + len(levels), key.num_rows, dtype=torch.long, device=storage.device
-        )
-        self.levels = [Level(entry.block, entry.row, entry.start, n, None) for entry, n in levels]
-        self.replay: Callable[[], None] | None = None
-        self.output: torch.Tensor | None = None
-        self.current: KVBlock | None = None
-        self._staging: torch.Tensor | None = None  # pinned, on CUDA
-        self._copied: torch.cuda.Event | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
-
-    def reads_evicted_levels(self) -> bool:
-        return any(level.block.num_live_entries == 0 for level in self.levels)
-
-    def renew(self, move: bool) -> KVBlock:
-        """A new block over the storage; with ``move``, the current one keeps its contents in a copy."""
-        if move and self.current is not None:
-            self.current.move_to(self.storage.clone())
-        self.current = KVBlock(self.storage)
-        return self.current
-
-    def load_inputs(self, host: torch.Tensor) -> None:
-        """Fill :attr:`inputs` from ``host`` (the same shape): the step's one host-to-device copy.
-
-        On CUDA the copy goes through a pinned buffer without waiting for the
-        device, once the previous step's copy out of that buffer is done.
-        """
-        if self.inputs.device.type != "cuda":
-            self.inputs.copy_(host)
-            return
-        if self._staging is None or self._copied is None:
-            self._staging = torch.empty_like(host).pin_memory()
-            self._copied = torch.cuda.Event()
-        else:
-            self._copied.synchronize()
-        self._staging.copy_(host)
-        self.inputs.copy_(self._staging, non_blocking=True)
-        self._copied.record()
 
 
 @dataclass(frozen=True)
@@ -298,7 +149,7 @@ class StepGraphs:
         self.max_storage_bytes = max_storage_bytes
         self.unsupported: str | None = None
         """Why steps run eagerly (``None``: captured where the device can)."""
-        self.can_capture = graph_capture(model_of().device) is not None
+        self.can_capture = capture.graph_capture(model_of().device) is not None
         """Whether the model's device captures graphs (else every step runs eagerly)."""
         self._graphs: OrderedDict[GraphKey, CapturedStep] = OrderedDict()  # least recent first
         self._blocks: weakref.WeakSet[KVBlock] = weakref.WeakSet()
@@ -366,7 +217,7 @@ class StepGraphs:
             or self.unsupported is not None
             or self.max_graphs < 1
             or any(len(row.reads) != 1 for row in pass_plan.rows)
-            or graph_capture(self._model_of().device) is None
+            or capture.graph_capture(self._model_of().device) is None
         ):
             return None
         return next((bucket for bucket in ROW_BUCKETS if bucket >= len(pass_plan.rows)), None)
@@ -410,11 +261,11 @@ class StepGraphs:
 
     def _capture(self, graph: CapturedStep) -> bool:
         model = self._model_of()
-        capture = graph_capture(model.device)
-        assert capture is not None, "planned for a device that captures"
+        graphs = capture.graph_capture(model.device)
+        assert graphs is not None, "planned for a device that captures"
         try:
-            graph.replay, graph.output = capture.capture(
-                functools.partial(_step, model, self._caches, graph, self._vocab_size)
+            graph.replay, graph.output = graphs.capture(
+                functools.partial(decode_one_token, model, self._caches, graph, self._vocab_size)
             )
         except RuntimeError as exc:  # a model doing host work inside its forward
             self.unsupported = f"capturing a one-token step failed: {exc}"
@@ -482,34 +333,6 @@ class StepGraphs:
     def _storage_nbytes(self, model, key: GraphKey) -> int:
         num_layers, _, rows, heads, slots, head_dim = self._storage_shape(model, key)
         return cache_nbytes(num_layers, rows, heads, slots, head_dim, model.dtype)
-
-
-def _step(model, caches: StaticCaches, graph: CapturedStep, vocab_size: int) -> torch.Tensor:
-    """The captured step: one token per row, every per-step value read from ``graph.inputs``.
-
-    Returns ``float32 [R, vocab_size]`` log-probabilities (padding rows included).
-    """
-    inputs, storage = graph.inputs, graph.storage  # [5 + levels, R]; [L, 2, R, H, T, D]
-    writes, firsts = inputs[_WRITES], inputs[_FIRSTS]
-    slots = torch.arange(storage.shape[4], device=storage.device)
-    hidden = (slots < firsts[:, None]) | (slots > writes[:, None])  # [R, T]
-    mask = torch.zeros(hidden.shape, dtype=storage.dtype, device=storage.device)
-    mask = mask.masked_fill_(hidden, torch.finfo(storage.dtype).min)[:, None, None]  # [R, 1, 1, T]
-    bias = torch.zeros(len(graph.levels), inputs.shape[1], device=storage.device)
-    bias = bias.masked_fill_(inputs[_LEVELS:] == 0, float("-inf"))  # [levels, R]
-    levels = [dataclasses.replace(level, row_bias=bias[k]) for k, level in enumerate(graph.levels)]
-    layers = [(layer[0], layer[1]) for layer in storage.unbind(0)]
-    with grouped_kv_attention(model):
-        output = model(
-            input_ids=inputs[_TOKENS, :, None],
-            attention_mask=mask,
-            position_ids=inputs[_POSITIONS, :, None],
-            past_key_values=caches.scattered(layers, writes),
-            use_cache=True,
-            logits_to_keep=1,
-            **({"genlm_cascade": Cascade(levels)} if levels else {}),
-        )
-    return fit_to_vocab(output.logits[:, 0], vocab_size)
 
 
 def _step_row(

@@ -84,7 +84,6 @@ class HFRunner:
         if self.levels_unsupported is not None:
             self.graphs.unsupported = f"shared levels unsupported: {self.levels_unsupported}"
 
-
     @property
     def model(self):
         """The model (a peft model once an adapter was loaded)."""
@@ -305,7 +304,11 @@ class HFRunner:
         self, plan: PassPlan, namespace: Hashable
     ) -> tuple[torch.Tensor, KVBlock, list[Placement]]:
         """A pass's log-probabilities, the block written, and where its rows' contexts are in it."""
-        step = self.graphs.plan(plan, namespace) if self.graphs.can_capture and plan.num_new == 1 else None
+        step = (
+            self.graphs.plan(plan, namespace)
+            if self.graphs.can_capture and plan.num_new == 1
+            else None
+        )
         ran = self.graphs.run(step) if step is not None else None
         if step is None or ran is None:
             logprobs, block = self._forward(plan)

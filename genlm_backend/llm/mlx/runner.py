@@ -181,7 +181,9 @@ class MlxRunner:
         """One pass: the log-probabilities of its reads, in order, and the block written."""
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
         assert isinstance(block, MlxKVBlock), "MLX passes extend MLX blocks"
-        inputs = mx.array(planner.new_tokens(plan))  # [B, num_new], each row's new tokens first, padding after them
+        inputs = mx.array(
+            planner.new_tokens(plan)
+        )  # [B, num_new], each row's new tokens first, padding after them
         positions = mx.array([row.reused for row in plan.rows], dtype=mx.int32)
         starts = mx.array(planner.row_starts(plan), dtype=mx.int32)
         levels = [

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 from genlm_backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM
-from genlm_backend.llm.stats import LMStats
 from genlm_backend.llm.remote import protocol
 from genlm_backend.llm.remote.runner import RemoteRunner
 from genlm_backend.llm.remote.stats import ServeStats
+from genlm_backend.llm.stats import LMStats
 
 __all__ = ["REMOTE_SCHEME", "RemoteLM", "RemoteRunner", "http_url"]
 

@@ -45,7 +45,6 @@ import msgpack
 import numpy as np
 import torch
 
-
 PROTOCOL_VERSION = 3
 TOKEN_HEADER = "authorization"
 MODEL_ID_HEADER = "x-genlm-model-id"

@@ -15,12 +15,12 @@ import torch
 import urllib3
 
 from genlm_backend.errors import ServerModelChangedError, ServerUnavailableError
-from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
 from genlm_backend.llm.remote import http, protocol
-from genlm_backend.llm.remote.protocol import TOKEN_ENV
 from genlm_backend.llm.remote.channel import ROWS_ANSWER, SLAB_ANSWER
 from genlm_backend.llm.remote.client_slab import ClientSlab
+from genlm_backend.llm.remote.protocol import TOKEN_ENV
 from genlm_backend.llm.remote.slab import SlabRefused
+from genlm_backend.llm.runner import Adapter, Request, RunnerStats, ScoreRequest, score_from_rows
 
 
 class RemoteRunner:
