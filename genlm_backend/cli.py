@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     next_token = commands.add_parser("next", help="print the next-token distribution of a prompt")
     next_token.add_argument(
-        "--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)"
+        "prompt",
+        nargs="?",
+        default=None,
+        help=f"text to continue (default: {DEFAULT_PROMPT!r})",
+    )
+    next_token.add_argument(
+        "--prompt", dest="prompt_option", default=None, help="the same, as an option"
     )
     next_token.add_argument(
         "--top-k", type=_positive_int, default=10, help="tokens to show (default: 10)"
@@ -238,11 +244,16 @@ def _format_stats(stats) -> str:
 
 
 def run_next(args: argparse.Namespace) -> int:
-    """Load a model and print the top-k next tokens of ``--prompt`` with their probabilities."""
+    """Load a model and print the top-k next tokens of the prompt with their probabilities."""
     import torch
 
     from genlm_backend.llm import load_model_by_name
 
+    if args.prompt is not None and args.prompt_option is not None:
+        raise ValueError("give the prompt once: as PROMPT or as --prompt")
+    args.prompt = next(
+        (p for p in (args.prompt, args.prompt_option) if p is not None), DEFAULT_PROMPT
+    )
     llm = load_model_by_name(args.model, backend=args.backend)
     try:
         token_ids = _encode_prompt(llm, args.prompt)

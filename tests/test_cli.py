@@ -46,9 +46,11 @@ def test_info_without_vllm(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_next_prints_the_mock_distribution(capsys, smollm2_tokenizer):
+@pytest.mark.parametrize("as_option", [False, True], ids=["PROMPT", "--prompt"])
+def test_next_prints_the_mock_distribution(capsys, smollm2_tokenizer, as_option):
     prompt = "Once upon a time"
-    assert main(["next", "--backend", "mock", "--prompt", prompt, "--top-k", "7"]) == 0
+    given = ["--prompt", prompt] if as_option else [prompt]
+    assert main(["next", "--backend", "mock", *given, "--top-k", "7"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert [rank for rank, *_ in rows] == list(range(1, 8))
@@ -117,6 +119,11 @@ def test_installed_command_runs():
 
 
 @pytest.mark.slow
+def test_next_takes_its_prompt_once(capsys):
+    assert main(["next", "--backend", "mock", "Paris is", "--prompt", "Rome is"]) == 2
+    assert "give the prompt once" in capsys.readouterr().err
+
+
 def test_next_rejects_a_prompt_without_tokens(capsys, smollm2_tokenizer):
     assert smollm2_tokenizer.encode("") == []  # the default model adds no BOS token
     assert main(["next", "--backend", "mock", "--prompt", ""]) == 2

@@ -487,26 +487,28 @@ def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
         threads.judge(1.0)
     assert threads.num_threads == 4
     fixed = CpuThreads(4, adaptive=False)
-    fixed.observe((0.0, 0.0))
+    fixed.observe((4, 0.0, 0.0))
     assert fixed.num_threads == 4 and not CpuThreads(1).adaptive
 
 
-def test_a_step_in_the_loop_sets_its_torch_threads_and_a_synchronous_call_keeps_its_own():
-    before = torch.get_num_threads()
+def test_a_step_in_the_loop_runs_on_its_thread_count_and_gives_the_thread_its_own_back():
+    own = torch.get_num_threads()
     llm = make_llm()
-    llm.engine.cpu_threads = CpuThreads(before + 1)
-    llm.engine.cpu_threads.num_threads = before + 1
+    llm.engine.cpu_threads = CpuThreads(own + 1)
+    counts = []
+    run = llm.runner.run
+    llm.runner.run = lambda requests: counts.append(torch.get_num_threads()) or run(requests)
+
+    async def call():
+        await llm.next_token_logprobs([1, 3])
+        return torch.get_num_threads()
+
     try:
-        llm.next_token_logprobs_sync([1, 2])
-        assert torch.get_num_threads() == before  # the caller's thread is not the engine's
-
-        async def call():
-            await llm.next_token_logprobs([1, 3])
-            return torch.get_num_threads()
-
-        assert asyncio.run(call()) == before + 1
+        assert asyncio.run(call()) == own  # given back after the step
+        llm.next_token_logprobs_sync([1, 2])  # a synchronous call: the caller's count
+        assert counts == [own + 1, own] and torch.get_num_threads() == own
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(own)
         llm.close()
 
 

@@ -1,4 +1,4 @@
-"""AsyncTokenCharacterTrie: batching on the shared AutoBatcher, errors, cancellation, closing.
+"""AsyncTokenCharacterTrie: batching on the engine's WaitingCalls, errors, cancellation, closing.
 
 Results are checked against the same trie's sync path (exactly: batching must not
 change a value) and against the brute-force reference of ``test_trie.py``."""

@@ -562,8 +562,7 @@ def own_copy(row: torch.Tensor) -> torch.Tensor:
 
     On the CPU the copy runs in this thread (numpy's): torch's starts its
     OpenMP team for a row of a large vocabulary, and on a machine whose cores
-    are busy the event loop then waits for a descheduled thread (8 ms instead
-    of 3 us for 49,152 floats on a loaded 2-vCPU machine).
+    are busy the event loop would then wait for a descheduled thread.
     """
     if row.device.type == "cpu" and row.dtype == torch.float32 and not row.requires_grad:
         return torch.from_numpy(row.numpy().copy())
@@ -717,9 +716,8 @@ def _plain_ids_in_range(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...]
     anything else (bools, floats, numpy scalars, ``int`` subclasses, larger
     ints) differently or not at all. So the ids are plain ints exactly when
     the encoding is one ``i``-tagged 5-byte record per id, and the records'
-    values give the range check. On a 4,097-token context this takes 125 us
-    against 370 us for a set of the ids' types plus ``min`` and ``max`` (2-vCPU
-    machine), a cost paid per request by every particle behind a long prompt.
+    values give the range check: no Python-level loop over the ids, a cost
+    paid per request by every particle behind a long prompt.
     """
     if not isinstance(token_ids, list | tuple) or not _MARSHAL_INTS_AS_RECORDS:
         return None
@@ -744,8 +742,8 @@ def _plain_ids_in_range(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...]
 
 _HEADER, _RECORD = 5, 5  # a list's or tuple's type byte and length; an int's type byte and value
 _SHORT = 128
-"""Up to this many ids, the range check is Python's ``min`` and ``max`` (26 ids: 1.1 us against
-4.3 us for numpy's on a view of the encoding; 2-vCPU machine)."""
+"""Up to this many ids, the range check is Python's ``min`` and ``max``, cheaper than numpy's
+call on a view of the encoding for short contexts."""
 _MARSHAL_INTS_AS_RECORDS = marshal.dumps([7, -2], 2) == b"[\x02\0\0\0i\x07\0\0\0i\xfe\xff\xff\xff"
 """Whether this Python's marshal writes ints as :func:`_plain_ids_in_range` reads them (else it is skipped)."""
 
@@ -777,11 +775,11 @@ class RecentContexts:
     """Contexts validated lately: one that extends a recent context by a token is checked at that token.
 
     Particles extend their last context by one token at every step.
-    Checking a 4,097-token context element by element costs about 25 us
-    (:func:`validate_token_ids`, 2-vCPU machine) on every step; finding its
+    Checking a long context element by element (:func:`validate_token_ids`)
+    on every step would cost each particle its whole context; finding its
     first tokens among the recent contexts (hashed by length and last tokens,
     :func:`~genlm_backend.cache.kv_tree.context_hash`) and comparing them at C
-    speed costs a few. The context returned is then the recent one plus the
+    speed costs a copy and a comparison. The context returned is then the recent one plus the
     new token: its earlier tokens are that context's plain ints, also where
     the caller's were equal to them in value only (``3.0 == 3``).
 

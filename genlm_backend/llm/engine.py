@@ -23,8 +23,9 @@ threads spin between the many small parallel regions of a decode step
 instead of sleeping and being woken; a second thread calling torch (a
 worker) makes libgomp stop spinning. A step in the loop's thread blocks the
 loop while it computes, which costs nothing to particles that all wait for
-it; a server, which must keep reading requests meanwhile, sets
-:attr:`Engine.compute_in_loop` to ``False`` and its steps run in one worker
+it. Where a step mostly waits (a server's client) or runs threads of its own
+(vLLM), and in a server, which must keep reading requests meanwhile,
+:attr:`Engine.compute_in_loop` is ``False`` and steps run in one worker
 thread. Spinning threads take the cores from other processes, so a CPU step
 in the loop's thread adapts its thread count to the cores it gets
 (:class:`CpuThreads`); a row's last bits may then differ from those of the
@@ -467,21 +468,25 @@ class CpuThreads:
         self._num_free_steps = 0
         self._is_trying = False
 
-    def apply(self) -> tuple[float, float]:
-        """Set this thread's torch threads for a step; returns its start (CPU and wall clocks)."""
-        if torch.get_num_threads() != self.num_threads:
+    def apply(self) -> tuple[int, float, float]:
+        """Set this thread's torch threads for a step; returns what :meth:`observe` needs: the
+        thread's own count, and the step's start on the thread's CPU clock and the wall clock."""
+        own = torch.get_num_threads()
+        if own != self.num_threads:
             torch.set_num_threads(self.num_threads)
-        return time.thread_time(), time.perf_counter()
+        return own, time.thread_time(), time.perf_counter()
 
-    def observe(self, start: tuple[float, float]) -> None:
-        """Judge the step begun at ``start`` (see the class)."""
+    def observe(self, start: tuple[int, float, float]) -> None:
+        """Give the thread its own count back, and judge the step begun at ``start`` (see the class)."""
+        own, cpu_start_s, wall_start_s = start
+        if own != self.num_threads:
+            torch.set_num_threads(own)
         if not self.adaptive:
             return
-        wall_s = time.perf_counter() - start[1]
+        wall_s = time.perf_counter() - wall_start_s
         if wall_s < self.MIN_STEP_S:
             return
-        share = (time.thread_time() - start[0]) / wall_s
-        self.judge(share)
+        self.judge((time.thread_time() - cpu_start_s) / wall_s)
 
     def judge(self, share: float) -> None:
         """One step's CPU share: the next steps' thread count."""
@@ -739,14 +744,16 @@ class Engine:
         threads = self.cpu_threads if in_loop else None
         start = threads.apply() if threads is not None else None
         found: dict = {}
-        if rows:
-            values = self.runner.run(rows).unbind(0)
-            self.output_cache.put_many(list(zip(rows, values)))
-            found.update(zip(rows, values))
-        if scores:
-            found.update(zip(scores, self.runner.score(scores)))
-        if threads is not None and start is not None:
-            threads.observe(start)
+        try:
+            if rows:
+                values = self.runner.run(rows).unbind(0)
+                self.output_cache.put_many(list(zip(rows, values)))
+                found.update(zip(rows, values))
+            if scores:
+                found.update(zip(scores, self.runner.score(scores)))
+        finally:
+            if threads is not None and start is not None:
+                threads.observe(start)
         self.counts["batches"] += 1
         self.counts["contexts"] += len(rows) + len(scores)
         if len(found) < len(batch):

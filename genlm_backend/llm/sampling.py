@@ -50,10 +50,8 @@ def _draw_on_cpu(logits: torch.Tensor, u: float, temperature: float) -> int:
     memory back). Their float64 sums per block of :data:`BLOCK` locate the
     block, and one block's float64 cumulative sum the index: a cumulative
     sum of 1,024 entries instead of the whole row, float32 exponentials
-    instead of float64. On a 128,256-entry row, one thread: 0.32 ms against
-    0.5 to 1.5 ms for a float64 softmax into fresh buffers
-    (``benchmarks/bench_sampling.py``; a float64 CDF over the whole row in a
-    kept buffer took 0.46 ms).
+    instead of float64 (``benchmarks/bench_sampling.py`` measures it against a
+    float64 softmax into fresh buffers).
     """
     size = logits.shape[0]
     padded = _weights_buffer(size)  # [num_blocks * BLOCK], zeros past ``size``
@@ -129,9 +127,8 @@ async def sample_continuation(
     generated: list[int] = []
     for _ in range(max_tokens):
         logprobs = await next_logprobs(list(prompt) + generated)
-        # On the row's device: a CUDA row is not copied to the host (0.5 MB for a
-        # 128k vocabulary), and its CDF costs microseconds there against a
-        # millisecond on a CPU core.
+        # On the row's device: a CUDA row is not copied to the host, and its CDF
+        # is a few kernels there instead of a pass over the row on a CPU core.
         token = sample_token(logprobs, generator, temperature)
         if token in eos:
             break

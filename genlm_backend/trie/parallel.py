@@ -78,9 +78,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             with ``output="tensor"``.
 
         Batch results are ``[B, num_nodes]`` transposed views of fresh node-major
-        ``[num_nodes, B]`` arrays: row ``b`` has stride ``B``. Skipping the
-        transpose copy saves ~40% on CPU; ``np.ascontiguousarray`` (or
-        ``.contiguous()``) gives C order.
+        ``[num_nodes, B]`` arrays: row ``b`` has stride ``B`` (no transpose
+        copy); ``np.ascontiguousarray`` (or ``.contiguous()``) gives C order.
 
         Raises:
             TypeError, ValueError: invalid ``ws`` (type, dtype, shape, NaN).

@@ -26,9 +26,9 @@ connection (or dying) cancels its request; a shutdown answers
 its HTTP answer's (:mod:`~genlm_backend.serve.sessions`): a channel whose
 session ended answers with rows in frames.
 
-Why: a loopback HTTP exchange costs about 0.4 ms on each side of a round
-trip on a 2-vCPU machine (urllib3, uvicorn, ASGI) where a frame costs a few
-tens of microseconds; a held batch's whole round trip is a few milliseconds.
+Why: a loopback HTTP exchange (urllib3, uvicorn, ASGI) costs each side of a
+round trip far more than a frame on a socket does, and a held batch's whole
+round trip is only a few of those exchanges long (BENCHMARKS.md, "Serving").
 """
 
 from __future__ import annotations

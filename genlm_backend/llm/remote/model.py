@@ -5,7 +5,7 @@ runner is a server. Validation, the output cache, the auto-batcher, the sync
 bridge and sampling are the in-process ones, so concurrent awaits in one
 client become one batch, and that batch is one POST::
 
-    await next_token_logprobs(ids) -> validate -> output cache -> AutoBatcher
+    await next_token_logprobs(ids) -> validate -> output cache -> the engine's step
         -> worker thread: RemoteRunner.run(requests) -> POST /v1/logprobs
         -> rows from this client's shared-memory slab (same machine), else float32 bytes
 """
@@ -104,6 +104,9 @@ class RemoteLM(AsyncLM):
         )
         for name, path in info["adapters"].items():
             self.adapters.record(self.adapters.new_version(path, name))
+        # A step waits on the server's socket: it runs in a worker thread, and the
+        # event loop stays free meanwhile.
+        self.engine.compute_in_loop = False
         self.url = runner.url
         self.model_name: str = info["model_name"]
         """The model the server was started with (``""`` for its default model)."""

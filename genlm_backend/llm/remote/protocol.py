@@ -191,7 +191,7 @@ def encode_logprobs_request(
 
 
 def _int32_bytes(context: Sequence[int]) -> bytes:
-    """``context`` as little-endian ``int32`` bytes (``struct``: 25 us for 4,096 ids, a third of numpy's)."""
+    """``context`` as little-endian ``int32`` bytes (``struct``: no numpy array made on the way)."""
     try:
         return struct.pack(f"<{len(context)}i", *context)
     except struct.error as exc:
@@ -201,8 +201,7 @@ def _int32_bytes(context: Sequence[int]) -> bytes:
 def _shared_length(a: bytes, b: bytes) -> int:
     """How many first ids the ``int32`` bytes ``a`` and ``b`` have in common.
 
-    Short ones at C speed without numpy's call overhead (64 contexts of 26
-    ids: 0.14 ms against 0.32 with numpy per pair): equal prefixes by one
+    Short ones at C speed without numpy's call overhead: equal prefixes by one
     comparison, else the lowest set bit of the two read as little-endian
     integers and XORed. Long ones with numpy.
     """

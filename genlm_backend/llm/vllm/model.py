@@ -101,6 +101,9 @@ class AsyncVirtualLM(AsyncLM):
             else max_sessions
         )
         self.runner = VLLMRunner(self.llm_engine, self.vocab_size, self.device, sessions)
+        # vLLM runs its own threads and kernels: its steps run in a worker thread,
+        # and the event loop stays free while the engine works.
+        self.engine.compute_in_loop = False
 
     @classmethod
     def from_name(

@@ -1,0 +1,72 @@
+"""A request's path is one loop a reader can follow: the modules one particle step runs.
+
+Eight particles each await the row of a context that extends an already
+computed one by a token (transformers backend, CPU, after a warm-up step), as
+``shared/tools/path_modules.py`` does with the default model; every module of
+the package whose functions are entered, in any thread, is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import genlm_backend
+from genlm_backend.llm.hf import AsyncTransformer
+from tests.conftest import build_tiny_llama
+
+ROOT = os.path.dirname(genlm_backend.__file__)
+
+PATH = {
+    "llm/base.py",
+    "llm/engine.py",
+    "llm/runner.py",
+    "llm/hf/runner.py",
+    "llm/hf/compat.py",
+    "cache/plan.py",
+    "cache/kv_tree.py",
+    "cache/kv_block.py",
+    "cache/output.py",
+}
+"""The nine modules: the front, the engine, the runner seam, the transformers runner and
+its internals, the planner, the KV tree and its blocks, the output cache."""
+
+
+def modules_of_one_step() -> set[str]:
+    llm = AsyncTransformer(build_tiny_llama(256), None, byte_vocab=[bytes([i]) for i in range(256)])
+    prompt = list(range(100, 140))
+    contexts = [[*prompt, 200 + i] for i in range(8)]
+    seen: set[str] = set()
+    profiling = threading.Event()
+
+    def profile(frame, event, arg):
+        if profiling.is_set() and event == "call" and frame.f_code.co_filename.startswith(ROOT):
+            seen.add(os.path.relpath(frame.f_code.co_filename, ROOT))
+
+    async def step(batch):
+        return await asyncio.gather(*(llm.next_token_logprobs(c) for c in batch))
+
+    async def main():
+        await step(contexts)  # the prompt and the first tokens computed
+        following = [[*c, 7] for c in contexts]
+        profiling.set()
+        sys.setprofile(profile)
+        try:
+            await step(following)
+        finally:
+            sys.setprofile(None)
+            profiling.clear()
+
+    threading.setprofile(profile)
+    try:
+        asyncio.run(main())
+    finally:
+        threading.setprofile(None)
+        llm.close()
+    return seen
+
+
+def test_a_particle_step_runs_code_in_nine_modules():
+    assert modules_of_one_step() == PATH
