@@ -532,3 +532,19 @@ async def test_waiting_calls_fill_in_over_steps_and_fail_on_an_error():
     calls.settle(taken, {"z": 3})
     assert a.future.result() == [1, 2, 3]
     assert calls.stats().num_pending == 0
+
+
+# ---------------------------------------------------------------- the backends' options
+
+
+def test_lm_options_map_to_one_config_and_fail_naming_the_field():
+    llm = make_llm(batch_size=5, timeout_s=0.5, max_batch_tokens=None)
+    assert llm.batching == llm.engine.config == BatchingConfig(max_batch_size=5, timeout_s=0.5)
+    assert (llm.batch_size, llm.timeout_s) == (5, 0.5)
+    with pytest.raises(ValueError, match="max_batch_tokens must be"):
+        make_llm(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="max_batch_size must be"):
+        make_llm(batch_size=0)
+    with pytest.raises(ValueError, match="cpu_threads must be"):
+        make_llm(cpu_threads=2)
+    llm.close()

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from genlm_backend.llm import engine
 from genlm_backend.llm.hf import AsyncTransformer
 from tests.hf_reference import ATOL, assert_matches_reference, random_workload, reference
 
@@ -381,4 +382,34 @@ async def test_batches_run_in_the_loop_thread_when_asked_else_in_a_worker(
     with pytest.raises(RuntimeError, match="model failed"):
         await llm.next_token_logprobs([7, 8])
     assert (await llm.next_token_logprobs([1, 2, 3])).shape == rows[0].shape  # still serving
+    await llm.aclose()
+
+
+def test_transformer_keeps_upstream_keywords(tiny_llama):
+
+    model, tokenizer = tiny_llama
+    default = AsyncTransformer(model, tokenizer)
+    assert default.batching.max_batch_size is None
+    assert default.batching.max_batch_tokens == engine.DEFAULT_MAX_BATCH_TOKENS
+    assert default.engine.compute_in_loop and default.engine.cpu_threads is not None
+    explicit = AsyncTransformer(model, tokenizer, batch_size=20, timeout=0.5)
+    assert (explicit.batching.max_batch_size, explicit.batching.timeout_s) == (20, 0.5)
+    with pytest.raises(ValueError, match="timeout_s must be"):
+        AsyncTransformer(model, tokenizer, timeout=-1)
+    default.close()
+    explicit.close()
+
+
+async def test_transformer_default_burst_is_one_forward_and_exact(tiny_llama):
+
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer)
+    contexts = [[1 + i, 2 + i, 3] for i in range(40)]
+    rows = await asyncio.wait_for(
+        asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts)), 60
+    )
+    assert llm.stats.num_batches == 1
+    for context, row in zip(contexts, rows):
+        expected = reference(model, context)[: llm.vocab_size]
+        torch.testing.assert_close(row, expected, atol=1e-4, rtol=0)
     await llm.aclose()

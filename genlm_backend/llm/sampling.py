@@ -51,16 +51,19 @@ def _draw_on_cpu(logits: torch.Tensor, u: float, temperature: float) -> int:
     block, and one block's float64 cumulative sum the index: a cumulative
     sum of 1,024 entries instead of the whole row, float32 exponentials
     instead of float64 (``benchmarks/bench_sampling.py`` measures it against a
-    float64 softmax into fresh buffers).
+    float64 softmax into fresh buffers). All of it is numpy's, in this thread:
+    no torch operation, so no OpenMP team of this thread's is started and
+    left spinning (the model's steps keep the process's one team).
     """
     size = logits.shape[0]
-    padded = _weights_buffer(size)  # [num_blocks * BLOCK], zeros past ``size``
+    padded = _weights_buffer(size).numpy()  # [num_blocks * BLOCK], zeros past ``size``
     weights = padded[:size]
-    torch.sub(logits, logits.max(), out=weights)
+    values = logits.detach().numpy()
+    np.subtract(values, values.max(), out=weights, casting="same_kind")
     if temperature != 1:
-        weights.div_(temperature)
-    weights.exp_()
-    blocks = padded.numpy().reshape(-1, BLOCK)
+        np.divide(weights, temperature, out=weights)
+    np.exp(weights, out=weights)
+    blocks = padded.reshape(-1, BLOCK)
     sums = blocks.sum(1, dtype=np.float64)
     ends = np.cumsum(sums)
     target = u * ends[-1]
