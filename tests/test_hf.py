@@ -401,7 +401,6 @@ def test_transformer_keeps_upstream_keywords(tiny_llama):
 
 
 async def test_transformer_default_burst_is_one_forward_and_exact(tiny_llama):
-
     model, tokenizer = tiny_llama
     llm = AsyncTransformer(model, tokenizer)
     contexts = [[1 + i, 2 + i, 3] for i in range(40)]
