@@ -17,6 +17,11 @@ processes and minutes: ratios within a round are what to trust), ``--rounds`` ro
   forward pass) without the engine.
 * ``ours``: ``await llm.next_token_logprobs(context)`` for each particle, on
   ``AsyncTransformer``'s defaults; each particle takes ``argmax`` of its row.
+* ``floor``: what an exact step cannot skip behind a T-token prompt: the
+  loop's step behind the shortest prompt of the run, plus the prompt's
+  attention computed once per layer for every row together (grouped queries
+  against one copy: ``bench_long_prompt.prompt_attention_seconds``). Behind
+  the shortest prompt it is that loop step plus its own prompt's attention.
 
 The prompt's prefill and two warm-up steps are not timed; the figure is the
 mean step time. Ratios, each the median over rounds of that round's ratio:
@@ -41,9 +46,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_long_prompt import parse_workload, token_draws  # noqa: E402
+from bench_long_prompt import (  # noqa: E402
+    parse_workload,
+    prompt_attention_seconds,
+    token_draws,
+)
 
 VARIANTS = ("loop", "ours-runner", "ours")
+"""Run one by one; the floor is computed from the loop's step and the prompt's attention."""
 WORKLOADS = ("64x32@64", "64x32@4096")
 NUM_WARM_UP_STEPS = 2
 
@@ -71,6 +81,11 @@ def small_llama():
 def run_variant(model, variant: str, workload: str) -> float:
     """One variant's mean step time, in seconds, in this process."""
     particles, steps, prompt_tokens = parse_workload(workload)
+    if variant == "attention":
+        total_s = prompt_attention_seconds(
+            model, argparse.Namespace(device="cpu"), particles, steps, prompt_tokens
+        )
+        return total_s / steps
     prompt, own = token_draws(model.config.vocab_size, particles, 1, prompt_tokens)
     firsts = [o[0] for o in own]
     run = {"loop": _loop, "ours-runner": _runner, "ours": _ours}[variant]
@@ -160,9 +175,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model = small_llama()
     results = []
+    measured = [*args.variants, "attention"] if "loop" in args.variants else args.variants
     for round_index in range(args.rounds):
         for workload in args.workloads:
-            for variant in args.variants:
+            for variant in measured:
                 step_s = run_variant(model, variant, workload)
                 results.append(
                     {
@@ -173,9 +189,31 @@ def main(argv=None) -> None:
                     }
                 )
                 print(f"round {round_index + 1}: {workload} {variant}: {1e3 * step_s:.2f} ms")
-    report(results, args.workloads, args.variants)
+    variants = list(args.variants)
+    if "loop" in variants:
+        results += floors(results, args.workloads)
+        variants.append("floor")
+    report(results, args.workloads, variants)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def floors(results: list[dict], workloads: list[str]) -> list[dict]:
+    """Each round's floor per workload: the loop's step behind the first workload's prompt,
+    plus the workload's prompt attention (both measured in that round)."""
+    step = {(r["round"], r["workload"], r["variant"]): r["step_s"] for r in results}
+    return [
+        {
+            "round": k,
+            "workload": workload,
+            "variant": "floor",
+            "step_s": step[k, workloads[0], "loop"]
+            - step[k, workloads[0], "attention"]
+            + step[k, workload, "attention"],
+        }
+        for k in sorted({r["round"] for r in results})
+        for workload in workloads
+    ]
 
 
 def report(results: list[dict], workloads: list[str], variants: list[str]) -> None:
@@ -193,14 +231,16 @@ def report(results: list[dict], workloads: list[str], variants: list[str]) -> No
     first = workloads[0]
     print(f"\n{len(rounds)} rounds; each ratio is the median of the rounds' ratios (their range)")
     print(
-        f"| workload | variant | step (ms, median) | vs loop | vs ours-runner | vs its step at {first} |"
+        "| workload | variant | step (ms, median) | vs floor | vs loop | vs ours-runner "
+        f"| vs its step at {first} |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for workload in workloads:
         for variant in variants:
             ms = 1e3 * statistics.median(step[k, workload, variant] for k in rounds)
             print(
                 f"| {workload} | {variant} | {ms:.2f} "
+                f"| {median_ratio(workload, variant, workload, 'floor')} "
                 f"| {median_ratio(workload, variant, workload, 'loop')} "
                 f"| {median_ratio(workload, variant, workload, 'ours-runner')} "
                 f"| {median_ratio(workload, variant, first, variant)} |"

@@ -126,8 +126,8 @@ def main() -> None:
         cases[f"nested {n} prompt cached"] = (
             lambda: (llm := fresh(), llm.cache_kv(prompt))[0:1] + (None,),
             lambda llm, c=continuation: ours_nested(llm, prompt, c),
-            lambda c=continuation: one_forward_behind(
-                model, prompt_cache(model, prompt), prompt, c
+            lambda c=continuation: functools.partial(
+                one_forward_behind, model, prompt_cache(model, prompt), prompt, c
             ),
         )
     cases["call 16x64 behind 1500"] = (
