@@ -76,3 +76,60 @@ def test_the_api_reference_covers_every_backend_and_the_demo():
         "genlm_backend.install_vllm",
     }
     assert required <= set(directives)
+
+
+def markdown_table(text: str) -> list[list[str]]:
+    """The rows of the first markdown table in ``text`` (header and rule excluded), as cells."""
+    lines = text[text.index("\n|") + 1 :].splitlines()
+    table = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return table
+
+
+def current_figures() -> dict[str, list[str]]:
+    """BENCHMARKS.md's current figures by workload: figure, command, machine, date, commit."""
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    section = text.split("\n## Current figures\n", 1)[1].split("\n## ", 1)[0]
+    return {row[0]: row[1:] for row in markdown_table(section)}
+
+
+def test_benchmarks_opens_with_the_current_figure_of_every_workload():
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    first_section = re.search(r"^## (.+)$", text, re.MULTILINE)
+    assert first_section is not None and first_section.group(1) == "Current figures"
+    figures = current_figures()
+    assert len(figures) >= 10
+    for workload, (figure, command, machine, date, commit) in figures.items():
+        assert figure and command and machine, workload
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), (workload, date)
+        assert re.fullmatch(r"[0-9a-f]{7}", commit), (workload, commit)
+
+
+def test_the_readme_results_are_benchmarks_current_figures():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    figures = current_figures()
+    rows = markdown_table(results)
+    assert rows
+    for workload, figure, machine in rows:
+        assert workload in figures, workload
+        assert [figure, machine] == [figures[workload][0], figures[workload][2]], workload
+
+
+TIMING = re.compile(r"\b\d+(\.\d+)?x\b|\b\d+(\.\d+)? ?(ms|us)\b")
+
+
+@pytest.mark.parametrize("page", sorted(ROOT.glob("docs/*.md")), ids=lambda page: page.name)
+def test_the_docs_quote_no_timings_benchmarks_holds_them(page):
+    """A figure quoted outside BENCHMARKS.md goes stale there: the docs point to it instead."""
+    assert TIMING.search(page.read_text(encoding="utf-8")) is None
+
+
+def test_the_docs_index_lists_every_page_of_the_nav():
+    nav = re.findall(r"^  - [^:]+: (\S+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"\]\((\S+\.md)\)", index))
+    assert set(nav) - {"index.md"} == listed

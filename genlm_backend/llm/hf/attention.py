@@ -243,7 +243,8 @@ def cascade_attention(
     Args:
         layer: Index of the attention layer (which of each level's tensors to read).
         query: ``[B, Hq, L, D]``.
-        key, value: The own part, ``[B, Hkv, S, D]``.
+        key: The own part's keys, ``[B, Hkv, S, D]``.
+        value: The own part's values, ``[B, Hkv, S, D]``.
         mask: Additive ``[B, 1, L, S]`` over the own part.
         cascade: The pass's levels, each fully visible to its rows' queries.
 
