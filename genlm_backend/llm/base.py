@@ -535,6 +535,7 @@ class AsyncLM:
         meanwhile. Later calls raise :class:`BackendClosedError`. Idempotent.
         """
         await self.engine.aclose()
+        self.close()  # a backend's own resources (the engine's close is done: idempotent)
 
     def close(self) -> None:
         """Synchronous :meth:`aclose` for scripts: later calls raise :class:`BackendClosedError`. Idempotent."""

@@ -276,6 +276,7 @@ class WaitingCalls(Generic[K]):
             error = _fill(call, found)
             if error is not None:
                 call.future.set_exception(error)
+                call.future.exception()  # retrieved: its caller may be gone
             elif call.num_missing == 0:
                 call.is_sole = is_whole and all(receivers[key] == 1 for key in call.keys)
                 call.future.set_result(call.values)
@@ -544,6 +545,7 @@ class Engine:
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._num_worker_threads = torch.get_num_threads()
+        self._is_released = False
         self.num_loop_restarts = 0
         """Serve tasks replaced because they stopped on an unexpected error."""
         self.counts = dict.fromkeys(
@@ -647,8 +649,6 @@ class Engine:
         self.check_open()
         loop = asyncio.get_running_loop()
         state = self._loop_state(loop)
-        if state.error is not None:  # the serve task died after this call's state was made
-            raise _died(state.error)
         call = state.calls.add(keys, loop)
         if state.task is None:
             state.task = loop.create_task(self._serve(state), name="genlm engine")
@@ -688,11 +688,8 @@ class Engine:
                     )
                 calls.count_step(outcome)
                 calls.settle(taken, outcome.found)
-                del (
-                    taken,
-                    todo,
-                    outcome,
-                )  # rows (lent memory, say) live no longer than their callers
+                # Rows (lent memory, say) live no longer than their callers.
+                del taken, todo, outcome
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError("this loop's queue was closed"))
             raise
@@ -855,6 +852,9 @@ class Engine:
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
         with self.lock:
+            if self._is_released:
+                return
+            self._is_released = True
             self.output_cache.clear()
             runner = getattr(self, "runner", None)  # None if the backend failed before building it
             if runner is not None:
