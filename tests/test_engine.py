@@ -491,6 +491,21 @@ def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
     assert fixed.num_threads == 4 and not CpuThreads(1).adaptive
 
 
+def test_short_steps_are_judged_together():
+    threads = CpuThreads(2)
+    short_s = CpuThreads.MIN_JUDGED_S / 4
+    for _ in range(3):
+        threads.record(0.3 * short_s, short_s)
+    assert threads.num_threads == 2  # three short steps span less than MIN_JUDGED_S
+    threads.record(0.3 * short_s, short_s)
+    assert threads.num_threads == 1  # four do: their share (0.3) says the cores are shared
+    for _ in range(4 * CpuThreads.FIRST_TRY_AFTER - 1):
+        threads.record(short_s, short_s)
+    assert threads.num_threads == 1
+    threads.record(short_s, short_s)
+    assert threads.num_threads == 2  # FIRST_TRY_AFTER judgements of free cores: the try
+
+
 def test_a_step_in_the_loop_runs_on_its_thread_count_and_gives_the_thread_its_own_back():
     own = torch.get_num_threads()
     llm = make_llm()

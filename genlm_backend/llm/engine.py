@@ -447,7 +447,8 @@ class CpuThreads:
     they need). Below :attr:`SHARED` the steps go on one thread; on one
     thread that gets its core, they try the full count again after a number
     of steps that doubles each time the try shows the cores still shared.
-    Steps shorter than :attr:`MIN_STEP_S` are not judged.
+    Short steps are judged together: their times add up until they span
+    :attr:`MIN_JUDGED_S`.
 
     Args:
         max_threads: The count while the cores are free (``torch.get_num_threads()``
@@ -457,7 +458,7 @@ class CpuThreads:
 
     SHARED = 0.75
     FREE = 0.9
-    MIN_STEP_S = 0.002
+    MIN_JUDGED_S = 0.002
     FIRST_TRY_AFTER = 8
     LAST_TRY_AFTER = 1024
 
@@ -468,6 +469,8 @@ class CpuThreads:
         self._try_after = self.FIRST_TRY_AFTER
         self._num_free_steps = 0
         self._is_trying = False
+        self._pending_cpu_s = 0.0
+        self._pending_wall_s = 0.0
 
     def apply(self) -> tuple[int, float, float]:
         """Set this thread's torch threads for a step; returns what :meth:`observe` needs: the
@@ -484,10 +487,17 @@ class CpuThreads:
             torch.set_num_threads(own)
         if not self.adaptive:
             return
-        wall_s = time.perf_counter() - wall_start_s
-        if wall_s < self.MIN_STEP_S:
-            return
-        self.judge((time.thread_time() - cpu_start_s) / wall_s)
+        self.record(time.thread_time() - cpu_start_s, time.perf_counter() - wall_start_s)
+
+    def record(self, cpu_s: float, wall_s: float) -> None:
+        """A step's CPU time in its thread and its wall time, judged once the steps since
+        the last judgement span :attr:`MIN_JUDGED_S`."""
+        self._pending_cpu_s += cpu_s
+        self._pending_wall_s += wall_s
+        if self._pending_wall_s >= self.MIN_JUDGED_S:
+            share = self._pending_cpu_s / self._pending_wall_s
+            self._pending_cpu_s = self._pending_wall_s = 0.0
+            self.judge(share)
 
     def judge(self, share: float) -> None:
         """One step's CPU share: the next steps' thread count."""
