@@ -1,11 +1,11 @@
 """The server's side of a slab, in a process of its own (as in a real server).
 
-``serve_slab_server.py NAME NONCE_HEX CAPACITY VOCAB`` maps the slab and
+``serve_slab_server.py NAME NONCE_HEX CAPACITY VOCAB`` opens the slab and
 prints ``mapped`` (or ``refused: REASON``), then follows stdin lines:
 ``write SEED N`` writes :func:`rows_of` ``(SEED, N, VOCAB)`` and prints
-``written``; ``close`` unmaps and prints ``closed``. Mapping a slab in the
-process that created it would hand its resource-tracker registration over
-(Python < 3.13), so tests keep the two sides apart.
+``written`` (or ``refused: REASON``); ``close`` closes it and prints ``closed``.
+A process of its own, as in a real server: a fault of the server's side
+(a ``SIGBUS``) ends that process, not the test's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from genlm_backend.llm.remote.slab import Slab, SlabRefused
+from genlm_backend.llm.remote.slab import SlabRefused, SlabWriter
 
 
 def rows_of(seed: int, num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -26,7 +26,7 @@ def rows_of(seed: int, num_rows: int, vocab_size: int) -> torch.Tensor:
 def main() -> None:
     name, nonce, capacity, vocab = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
     try:
-        slab = Slab.attach(name, nonce, capacity, vocab)
+        slab = SlabWriter.attach(name, nonce, capacity, vocab)
     except SlabRefused as exc:
         print(f"refused: {exc}", flush=True)
         return
@@ -34,8 +34,12 @@ def main() -> None:
     for line in sys.stdin:
         command, *args = line.split()
         if command == "write":
-            slab.write(rows_of(int(args[0]), int(args[1]), vocab))
-            print("written", flush=True)
+            try:
+                slab.write(list(rows_of(int(args[0]), int(args[1]), vocab)))
+            except SlabRefused as exc:
+                print(f"refused: {exc}", flush=True)
+            else:
+                print("written", flush=True)
         elif command == "close":
             slab.close()
             print("closed", flush=True)

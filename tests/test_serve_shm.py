@@ -10,6 +10,7 @@ process's ``/proc/PID/maps`` (mappings, which hold the memory).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import os
@@ -42,6 +43,15 @@ def maps_of(pid: int | str) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
+def held_by(pid: int) -> str:
+    """What process ``pid`` maps or holds open: a server writes slabs through descriptors."""
+    opened = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            opened.append(os.readlink(fd))
+    return maps_of(pid) + "\n".join(opened)
+
+
 def contexts(first: int, count: int) -> list[list[int]]:
     return [[first, token] for token in range(count)]
 
@@ -72,10 +82,27 @@ def test_a_client_on_the_servers_machine_gets_exact_rows_through_shared_memory(
     assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(1, 16)))
     name = remote.runner.slab_name
     assert name is not None and remote.runner.shared_memory_refusal is None
-    assert not (SHM / name).exists()  # unlinked as soon as the server mapped it
-    assert name in maps_of(server.process.pid) and name in maps_of("self")
+    assert not (SHM / name).exists()  # unlinked as soon as the server opened it
+    assert name in held_by(server.process.pid) and name in maps_of("self")
     _, after = remote.server_stats()
     assert after.num_rows_in_shared_memory - before.num_rows_in_shared_memory == 16
+
+
+def test_a_client_that_shrinks_its_slab_cannot_end_the_server(remote, reference, server):
+    """The server writes slabs through descriptors: a segment cut short by its client is
+    extended again by the write, where a mapping's store would end the server (SIGBUS)."""
+    remote.batch_next_token_logprobs_sync(contexts(4, 4))
+    name = remote.runner.slab_name
+    assert name is not None
+    os.ftruncate(remote.runner._slab.slab._shm._fd, 0)  # type: ignore[union-attr]
+    rows = remote.batch_next_token_logprobs_sync(contexts(5, 4))
+    assert server.process.poll() is None
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(5, 4)))
+    with RemoteLM(server.url) as other:  # the server serves the next client as before
+        assert torch.equal(
+            other.batch_next_token_logprobs_sync(contexts(6, 4)),
+            reference.batch_next_token_logprobs_sync(contexts(6, 4)),
+        )
 
 
 async def test_returned_rows_stay_valid_and_unaliased_when_the_slab_is_reused(remote, reference):
@@ -140,7 +167,7 @@ def test_lent_rows_outlive_their_client_and_then_free_the_slab(server, reference
     name = lm.runner.slab_name
     assert lm.runner.num_rows_on_loan == 4
     lm.close()
-    wait_until(lambda: name not in maps_of(server.process.pid))
+    wait_until(lambda: name not in held_by(server.process.pid))
     assert name in maps_of("self")  # the lent rows' mapping
     assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(10, 4)))
     del rows
@@ -174,10 +201,10 @@ def test_the_slab_grows_with_the_batches_and_each_client_holds_one(server):
         large = lm.runner.slab_name
         assert large not in (None, small)
         assert small not in maps_of("self")
-        wait_until(lambda: small not in maps_of(server.process.pid))
-        assert large in maps_of(server.process.pid)
+        wait_until(lambda: small not in held_by(server.process.pid))
+        assert large in held_by(server.process.pid)
     assert lm.runner.slab_name is None and large not in maps_of("self")
-    wait_until(lambda: large not in maps_of(server.process.pid))
+    wait_until(lambda: large not in held_by(server.process.pid))
 
 
 def test_without_shared_memory_rows_come_in_answer_bodies(server, reference):
@@ -225,11 +252,11 @@ def test_a_killed_client_leaves_nothing_behind(server):
     try:
         name = client.wait_for(r"^slab (\S+)$").group(1)
         assert not (SHM / name).exists()
-        assert name in maps_of(server.process.pid)
+        assert name in held_by(server.process.pid)
         client.process.kill()
         client.wait_exit()
-        # The server sees the session's connection go and unmaps: the kernel frees the memory.
-        wait_until(lambda: name not in maps_of(server.process.pid))
+        # The server sees the session's connection go and closes it: the kernel frees the memory.
+        wait_until(lambda: name not in held_by(server.process.pid))
         assert not (SHM / name).exists()
     finally:
         client.stop()
@@ -259,7 +286,7 @@ def test_a_killed_server_leaves_nothing_behind_and_its_client_carries_on(referen
     try:
         client.batch_next_token_logprobs_sync(contexts(9, 4))
         name = client.runner.slab_name
-        assert name is not None and name in maps_of(server.process.pid)
+        assert name is not None and name in held_by(server.process.pid)
         server.process.kill()
         server.wait_exit()
         assert not (SHM / name).exists()

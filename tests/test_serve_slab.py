@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genlm_backend.llm.remote.slab import NAME_PREFIX, Slab
+from genlm_backend.llm.remote.slab import NAME_PREFIX, Slab, SlabRefused, SlabWriter
 from tests.serve_slab_server import rows_of
 from tests.serve_support import ServerProcess
 
@@ -87,7 +87,7 @@ def test_once_mapped_and_unlinked_nothing_is_left_in_dev_shm(mapped):
 
 @pytest.mark.parametrize(
     ("capacity", "nonce", "reason"),
-    [(8, bytes(16), "does not hold the offered nonce"), (9, None, "smaller than 9 rows")],
+    [(8, bytes(16), "does not hold the offered nonce"), (9, None, "bytes, not the [0-9]+ offered")],
     ids=["another nonce", "too small"],
 )
 def test_the_server_refuses_a_slab_that_is_not_the_one_offered(capacity, nonce, reason):
@@ -114,25 +114,74 @@ def test_the_server_refuses_a_slab_it_cannot_open():
 
 
 def test_names_that_are_not_slabs_are_refused_before_opening():
-    from genlm_backend.llm.remote.slab import SlabRefused
-
     for name in ("psm_123", NAME_PREFIX + "a/b", NAME_PREFIX + "x" * 60):
         with pytest.raises(SlabRefused, match="not a slab name"):
-            Slab.attach(name, bytes(16), 2, VOCAB)
+            SlabWriter.attach(name, bytes(16), 2, VOCAB)
 
 
 def test_rows_beyond_the_capacity_are_refused():
     slab = Slab.create(8, VOCAB)
+    writer = SlabWriter.attach(slab.name, slab.nonce, 8, VOCAB)
     try:
         with pytest.raises(ValueError, match="9 rows from row 0 do not fit a slab of 8"):
             slab.read(9)
         with pytest.raises(ValueError, match="3 rows from row 6 do not fit a slab of 8"):
             slab.read(3, first_row=6)
         with pytest.raises(ValueError, match="9 rows from row 0 do not fit"):
-            slab.write(torch.zeros(9, VOCAB))
+            writer.write(list(torch.zeros(9, VOCAB)))
         with pytest.raises(ValueError, match="2 rows from row 7 do not fit"):
-            slab.write(torch.zeros(2, VOCAB), first_row=7)
+            writer.write(list(torch.zeros(2, VOCAB)), first_row=7)
+        with pytest.raises(ValueError, match=f"rows must be float32 \\[{VOCAB}\\]"):
+            writer.write([torch.zeros(VOCAB, dtype=torch.float64)])
+        with pytest.raises(ValueError, match="rows must be float32"):
+            writer.write([torch.zeros(VOCAB + 1)])
+        assert torch.equal(slab.read(8), torch.zeros(8, VOCAB))  # nothing was written
     finally:
+        writer.close()
+        slab.close()
+        slab.unlink()
+
+
+def test_rows_are_written_through_the_descriptor_exactly_from_any_row():
+    slab = Slab.create(8, VOCAB)
+    writer = SlabWriter.attach(slab.name, slab.nonce, 8, VOCAB)
+    try:
+        rows = rows_of(5, 8, VOCAB)
+        writer.write(list(rows[:3]), first_row=5)
+        writer.write(list(rows[3:5]))
+        assert torch.equal(slab.read(3, first_row=5), rows[:3])
+        assert torch.equal(slab.read(2), rows[3:5])
+        writer.write([rows[7][::1], rows.t().contiguous().t()[6]])  # a strided row is copied too
+        assert torch.equal(slab.read(2), torch.stack([rows[7], rows[6]]))
+    finally:
+        writer.close()
+        slab.close()
+        slab.unlink()
+
+
+def test_a_write_of_more_rows_than_one_system_call_takes_is_complete(monkeypatch):
+    """``pwritev`` takes at most ``IOV_MAX`` buffers and may write fewer bytes than asked."""
+    import genlm_backend.llm.remote.slab as slab_module
+
+    real = os.pwritev
+    calls = []
+
+    def short_pwritev(fd, buffers, offset):
+        calls.append(len(buffers))
+        return real(fd, buffers[:2], offset) - 5 if len(buffers) > 1 else real(fd, buffers, offset)
+
+    monkeypatch.setattr(slab_module, "_IOV_MAX", 3)
+    slab = Slab.create(8, VOCAB)
+    writer = SlabWriter.attach(slab.name, slab.nonce, 8, VOCAB)
+    try:
+        rows = rows_of(9, 7, VOCAB)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwritev", short_pwritev)
+            writer.write(list(rows), first_row=1)
+        assert max(calls) <= 3 and len(calls) > 3
+        assert torch.equal(slab.read(7, first_row=1), rows)
+    finally:
+        writer.close()
         slab.close()
         slab.unlink()
 
@@ -152,86 +201,93 @@ def test_a_full_dev_shm_fails_the_creation_cleanly(monkeypatch):
 
 def test_a_closed_slab_refuses_reads_and_writes():
     slab = Slab.create(1, VOCAB)
+    writer = SlabWriter.attach(slab.name, slab.nonce, 1, VOCAB)
     slab.unlink()
     slab.close()
     slab.close()  # idempotent
+    writer.close()
+    writer.close()
     with pytest.raises(ValueError, match="closed"):
         slab.read(1)
     with pytest.raises(ValueError, match="closed"):
-        slab.write(torch.zeros(1, VOCAB))
+        writer.write(list(torch.zeros(1, VOCAB)))
+
+
+# A client can do with its own segment what it likes; the server must survive it and
+# must not take a segment that is not the client's alone, of exactly the offered size.
+
+
+def test_a_client_that_shrinks_its_slab_cannot_end_the_server():
+    """A mapped segment cut short turns the mapper's next store into SIGBUS; the server
+    writes through its descriptor, which extends the segment again."""
+    slab = Slab.create(8, VOCAB)
+    server = map_elsewhere(slab)
+    try:
+        server.wait_for("^mapped$")
+        slab.unlink()
+        os.ftruncate(slab._shm._fd, 0)  # the client pulls the segment away
+        tell(server, "write 4 8", "written")
+        assert server.process.poll() is None  # alive
+        assert torch.equal(slab.read(8), rows_of(4, 8, VOCAB))
+        os.ftruncate(slab._shm._fd, 1)
+        tell(server, "write 5 2", "written")
+    finally:
+        server.stop()
+        slab.close()
+
+
+@pytest.mark.parametrize(
+    ("size", "reason"),
+    [(0, "is 0 bytes, not the"), (1 << 20, f"is {1 << 20} bytes, not the")],
+    ids=["size zero", "grown"],
+)
+def test_a_slab_of_another_size_than_offered_is_refused(size, reason):
+    slab = Slab.create(2, VOCAB)
+    try:
+        os.ftruncate(slab._shm._fd, size)
+        with pytest.raises(SlabRefused, match=reason):
+            SlabWriter.attach(slab.name, slab.nonce, 2, VOCAB)
+    finally:
+        slab.close()
+        slab.unlink()
+
+
+def test_a_slab_other_users_may_open_is_refused():
+    slab = Slab.create(2, VOCAB)
+    try:
+        os.fchmod(slab._shm._fd, 0o644)
+        with pytest.raises(SlabRefused, match="open to other users \\(mode 644, expected 600\\)"):
+            SlabWriter.attach(slab.name, slab.nonce, 2, VOCAB)
+    finally:
+        slab.close()
+        slab.unlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a segment to another user needs root")
+def test_a_slab_of_another_user_is_refused():
+    slab = Slab.create(2, VOCAB)
+    try:
+        os.fchown(slab._shm._fd, 65534, 65534)  # nobody
+        with pytest.raises(SlabRefused, match="belongs to another user"):
+            SlabWriter.attach(slab.name, slab.nonce, 2, VOCAB)
+    finally:
+        slab.close()
+        slab.unlink()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_rows_go_into_a_page_locked_slab_exactly():
-    """The server's side page-locks its mapping before its first CUDA rows, and unlocks it on close."""
+def test_cuda_rows_go_into_the_slab_exactly():
+    """GPU rows go through the writer's page-locked buffer, then the descriptor."""
     client = Slab.create(8, VOCAB)
-    server = Slab.attach(client.name, client.nonce, 8, VOCAB)
+    server = SlabWriter.attach(client.name, client.nonce, 8, VOCAB)
     try:
         rows = rows_of(3, 6, VOCAB)
         server.write(list(rows.cuda()), first_row=2)
-        assert server.pinned_address is not None
         assert torch.equal(client.read(6, first_row=2), rows)
-        server.write(list(rows[:2].cuda()))  # locked once, still exact
+        server.write(list(rows[:2].cuda()))
         assert torch.equal(client.read(2), rows[:2])
     finally:
         server.close()
-        assert server.pinned_address is None
-        client.close()
-        client.unlink()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_refused_page_lock_leaves_no_cuda_error_in_the_server_s_thread():
-    """CUDA keeps a failed call's error for its thread's next kernel launch: the call runs apart."""
-    import numpy as np
-
-    from genlm_backend.llm.remote.slab import _cuda_call_apart
-
-    memory = np.zeros(1 << 16, np.uint8)
-    unregister = torch.cuda.cudart().cudaHostUnregister
-    assert (
-        _cuda_call_apart(torch.device("cuda"), unregister, memory.ctypes.data) != 0
-    )  # never locked
-    assert torch.ones(8, device="cuda").add_(1).sum().item() == 16  # launches without that error
-
-
-def test_a_call_apart_raises_its_exception_in_the_caller_s_thread():
-    from genlm_backend.llm.remote.slab import _cuda_call_apart
-
-    def refuse(code):
-        raise OSError(code, "refused")
-
-    with pytest.raises(OSError, match="refused"):
-        _cuda_call_apart(None, refuse, 7)
-    assert _cuda_call_apart(None, lambda a, b: a + b, 2, 3) == 5
-
-
-def test_a_failed_unlock_still_unmaps_the_slab(monkeypatch):
-    """Closing a page-locked mapping whose unlock fails unmaps it all the same, and says why."""
-    import genlm_backend.llm.remote.slab as slab_module
-
-    def fail(*args):
-        raise RuntimeError("no CUDA here")
-
-    from multiprocessing import resource_tracker
-
-    client = Slab.create(2, VOCAB)
-    server = Slab.attach(client.name, client.nonce, 2, VOCAB)
-    # Attaching in the creator's process took the segment from this process's tracker
-    # (a server's process is another); the client's unlink below gives it back.
-    resource_tracker.register(client._shm._name, "shared_memory")
-    try:
-        server.pinned_address = 1  # as if locked
-        monkeypatch.setattr(slab_module, "_cuda_call_apart", fail)
-        monkeypatch.setattr(
-            torch.cuda, "cudart", lambda: type("Cudart", (), {"cudaHostUnregister": None})
-        )
-        with pytest.raises(RuntimeError, match="no CUDA here"):
-            server.close()
-        assert server.is_closed and server.pinned_address is None
-        assert server._shm.buf is None  # unmapped
-    finally:
         client.close()
         client.unlink()

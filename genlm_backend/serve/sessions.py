@@ -1,9 +1,10 @@
-"""The server's side of shared-memory slabs: the slabs it holds mapped, one per open session.
+"""The server's side of shared-memory slabs: the slabs it holds open, one per open session.
 
 A client on the server's machine offers a slab (``POST /v1/session``); the
-server maps it if it can (:meth:`Slab.attach`) and keeps the session's
-answer open. The session lasts exactly as long as that answer: when the
-client closes it, dies, or the server shuts down, the slab is unmapped.
+server opens it if it may (:meth:`SlabWriter.attach`: the client's own,
+private, of the offered size) and keeps the session's answer open. The
+session lasts exactly as long as that answer: when the client closes it,
+dies, or the server shuts down, the slab is closed.
 While it lasts, ``/v1/logprobs`` answers of that client carry their rows in
 the slab (:meth:`SlabSessions.write`) instead of the body.
 """
@@ -16,11 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from genlm_backend.llm.remote.protocol import SlabOffer
-from genlm_backend.llm.remote.slab import Slab
+from genlm_backend.llm.remote.slab import SlabRefused, SlabWriter
 
 
 class SlabSessions:
-    """Open sessions: session id -> the client's mapped slab. Used on the server's event loop.
+    """Open sessions: session id -> the client's slab. Used on the server's event loop.
 
     Args:
         vocab_size: Floats per row.
@@ -28,7 +29,7 @@ class SlabSessions:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._slabs: dict[str, Slab] = {}
+        self._slabs: dict[str, SlabWriter] = {}
         self._clients: dict[str, str] = {}
         self.num_rows_written = 0
 
@@ -37,19 +38,19 @@ class SlabSessions:
         return len(self._slabs)
 
     def open(self, offer: SlabOffer) -> str:
-        """Map the offered slab; the new session's id (unguessable: it lets a request write there).
+        """Open the offered slab; the new session's id (unguessable: it lets a request write there).
 
         Raises:
             SlabRefused: the slab cannot be used from here (the message says why).
         """
-        slab = Slab.attach(offer.name, offer.nonce, offer.capacity_rows, self.vocab_size)
+        slab = SlabWriter.attach(offer.name, offer.nonce, offer.capacity_rows, self.vocab_size)
         session = secrets.token_hex(16)
         self._slabs[session] = slab
         self._clients[session] = offer.client
         return session
 
     def close(self, session: str) -> str | None:
-        """Unmap the session's slab; the client it belonged to (``None``: no such session)."""
+        """Close the session's slab; the client it belonged to (``None``: no such session)."""
         slab = self._slabs.pop(session, None)
         if slab is not None:
             slab.close()
@@ -68,12 +69,17 @@ class SlabSessions:
 
         Returns:
             ``False`` (nothing written) when there is no such session (it closed,
-            or the server restarted) or the rows do not fit: they go in the body then.
+            or the server restarted), the rows do not fit, or the slab cannot be
+            written any more (the session is then closed): they go in the body then.
         """
         slab = None if session is None else self._slabs.get(session)
-        if slab is None or first_row + len(rows) > slab.capacity_rows:
+        if slab is None or first_row < 0 or first_row + len(rows) > slab.capacity_rows:
             return False
-        slab.write(rows, first_row)
+        try:
+            slab.write(rows, first_row)
+        except SlabRefused:
+            self.close(session)  # type: ignore[arg-type]  # slab is not None: session is a str
+            return False
         self.num_rows_written += len(rows)
         return True
 

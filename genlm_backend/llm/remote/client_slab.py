@@ -1,10 +1,10 @@
-"""The client's side of shared-memory rows: its slab, and the open session that keeps it mapped.
+"""The client's side of shared-memory rows: its slab, and the open session that keeps it open.
 
 A :class:`ClientSlab` is offered to the server once (``POST /v1/session``);
-if the server maps it, the session's answer stays open on a connection of
+if the server accepts it, the session's answer stays open on a connection of
 its own, and the slab's name is unlinked at once (from then on nothing can
 be left behind in ``/dev/shm``, whichever process dies). Closing the session
-(closing that connection, or dying) tells the server to unmap it.
+(closing that connection, or dying) tells the server to close it.
 
 Rows without a copy: a slab holds ``batch_rows`` rows of *scratch* and twice
 as many to *lend*. A batch's rows go into a free region of the lent part
@@ -68,7 +68,7 @@ class RowLoans:
 
 
 class ClientSlab:
-    """A slab this client created, mapped by its server for as long as the session is open.
+    """A slab this client created, written by its server for as long as the session is open.
 
     Its first ``batch_rows`` rows are scratch, the rest lent (see the module's docstring).
     Not thread-safe, but for regions given back: its ``RemoteRunner`` uses it
@@ -173,7 +173,7 @@ class ClientSlab:
         return torch.from_numpy(view)
 
     def close(self) -> None:
-        """End the session (the server unmaps the slab) and unmap ours. Idempotent.
+        """End the session (the server closes the slab) and unmap ours. Idempotent.
 
         Lent tensors stay valid: their views hold the second mapping until they go.
         """

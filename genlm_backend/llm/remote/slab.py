@@ -1,7 +1,8 @@
 """Rows through shared memory: a client's slab, which the server writes its answers into.
 
 A slab is one POSIX shared-memory segment (:mod:`multiprocessing.shared_memory`)
-that a client creates and a server on the same machine maps. Layout::
+that a client creates (:class:`Slab`) and a server on the same machine writes
+(:class:`SlabWriter`). Layout::
 
     [0, HEADER_BYTES)   header: the client's random nonce (NONCE_BYTES), then zeros
     [HEADER_BYTES, ...) rows: float32 [capacity_rows, vocab_size], C order, native byte order
@@ -10,12 +11,20 @@ The nonce makes the same-machine check robust: a server accepts a slab only if
 it can open the segment by name *and* finds there the nonce the client sent
 in its offer, so a name that happens to exist on another machine is refused.
 
+The server never maps a client's segment. A mapping would let the client end
+the server: shrinking the segment (``ftruncate`` on its own descriptor) turns
+the server's next store into a ``SIGBUS``. The server writes with
+``pwritev`` on a descriptor instead, which extends a shrunk segment again or
+fails with an error that costs only that client its session. It accepts a
+segment only if it belongs to the server's own user, no other user may read
+or write it, and its size is exactly the offered slab's.
+
 Lifetime: the client unlinks the segment's name as soon as the server has
-mapped it (:meth:`Slab.unlink`); from then on the memory is held only by the
-two mappings and freed by the kernel when both are gone, so a killed client
-or server leaves nothing in ``/dev/shm``. Pages are reserved at creation
-(``posix_fallocate``): a full ``/dev/shm`` fails there, with ``OSError``,
-rather than as a ``SIGBUS`` in the server's write.
+opened it (:meth:`Slab.unlink`); from then on the memory is held only by the
+client's mapping and the server's descriptor and freed by the kernel when both
+are gone, so a killed client or server leaves nothing in ``/dev/shm``. Pages
+are reserved at creation (``posix_fallocate``): a full ``/dev/shm`` fails
+there, with ``OSError``.
 
 Views of the segment through :class:`Slab` are numpy arrays made for one copy
 and dropped at once: a mapping cannot be closed while one is alive
@@ -30,10 +39,8 @@ import contextlib
 import mmap
 import os
 import secrets
-import sys
-import threading
+import stat
 from collections.abc import Sequence
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
@@ -47,7 +54,8 @@ NAME_PREFIX = "genlm-serve-"
 
 
 class SlabRefused(Exception):
-    """A server cannot use the slab a client offered (another machine, wrong nonce, wrong size)."""
+    """A server cannot use the slab a client offered (another machine or user, wrong nonce or
+    size), or can no longer write it."""
 
 
 def slab_bytes(capacity_rows: int, vocab_size: int) -> int:
@@ -68,10 +76,6 @@ class Slab:
         self.vocab_size = vocab_size
         self.nonce = nonce
         self.is_closed = False
-        self.pinned_address: int | None = None
-        """Where the mapping is page-locked for CUDA copies (``None``: it is not)."""
-        self._pin_tried = False
-        self._pinned_for: torch.device | None = None
 
     @property
     def name(self) -> str:
@@ -95,62 +99,6 @@ class Slab:
             shm.unlink()
             raise
         return cls(shm, capacity_rows, vocab_size, nonce)
-
-    @classmethod
-    def attach(cls, name: str, nonce: bytes, capacity_rows: int, vocab_size: int) -> Slab:
-        """Map a client's slab (the server's side) after checking it is the one offered.
-
-        Raises:
-            SlabRefused: the message says why (no such segment here, too small, another nonce).
-        """
-        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
-            raise SlabRefused(f"not a slab name: {name!r}")
-        try:
-            shm = _open_untracked(name)
-        except (
-            OSError
-        ) as exc:  # FileNotFoundError on another machine, PermissionError for another user
-            raise SlabRefused(f"cannot open shared memory {name!r} here ({exc.strerror})") from None
-        slab = cls(shm, capacity_rows, vocab_size, nonce)
-        if shm.size < slab_bytes(capacity_rows, vocab_size):
-            slab.close()
-            raise SlabRefused(f"shared memory {name!r} is smaller than {capacity_rows} rows")
-        if bytes(_buffer(shm)[:NONCE_BYTES]) != nonce:
-            slab.close()
-            raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
-        return slab
-
-    def write(self, rows: Sequence[torch.Tensor], first_row: int = 0) -> None:
-        """Copy ``rows`` (float32 ``[vocab_size]`` each, any device) into the slab from row ``first_row`` on."""
-        target = self._view(len(rows), first_row)  # [n, V]
-        if all(row.device.type == "cpu" for row in rows):
-            # numpy's copy runs in this thread: torch's would start its OpenMP team for
-            # a memcpy, which waits for cores the model's threads hold.
-            np.stack([row.detach().numpy() for row in rows], out=target)
-        else:
-            if rows[0].device.type == "cuda":
-                self._pin(rows[0].device)
-            torch.from_numpy(target).copy_(torch.stack(list(rows)))
-        del target
-
-    def _pin(self, device: torch.device) -> None:
-        """Page-lock this mapping for CUDA (once; the server's side, before its first CUDA rows).
-
-        A device-to-host copy into pageable memory goes through a staging
-        buffer in pieces; into page-locked memory the copy engine writes it
-        directly. A refusal (no more lockable memory) leaves it pageable.
-        """
-        if self._pin_tried:
-            return
-        self._pin_tried = True
-        buffer = _buffer(self._shm)
-        address = np.frombuffer(buffer, np.uint8).ctypes.data  # the view goes at once
-        portable = 1  # cudaHostRegisterPortable: locked for every device
-        status = _cuda_call_apart(
-            device, torch.cuda.cudart().cudaHostRegister, address, len(buffer), portable
-        )
-        if status == 0:
-            self.pinned_address, self._pinned_for = address, device
 
     def read(self, num_rows: int, first_row: int = 0) -> torch.Tensor:
         """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's rows from
@@ -189,45 +137,7 @@ class Slab:
         """Unmap this side's view. Idempotent."""
         if not self.is_closed:
             self.is_closed = True
-            address, self.pinned_address = self.pinned_address, None
-            try:
-                if address is not None:
-                    _cuda_call_apart(
-                        self._pinned_for, torch.cuda.cudart().cudaHostUnregister, address
-                    )
-            finally:
-                self._shm.close()
-
-
-def _cuda_call_apart(device: torch.device | None, call, *args) -> int:
-    """``call(*args)``'s CUDA status, from a thread of its own whose device is ``device``.
-
-    CUDA keeps a failed call's error as its thread's last error, which torch
-    reads after its next kernel launch in that thread and raises there; a
-    refused page lock must not fail the server's next request. (The device:
-    a new thread's is the first, whose context the call would otherwise create;
-    ``cuda`` without an index is this thread's current device.) An exception
-    there is raised here.
-    """
-    index = None
-    if device is not None:
-        index = torch.cuda.current_device() if device.index is None else device.index
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            if index is not None:
-                torch.cuda.set_device(index)
-            outcome.append(int(call(*args)))
-        except BaseException as error:  # noqa: BLE001  # raised in the caller's thread
-            outcome.append(error)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+            self._shm.close()
 
 
 def rows_view(buffer, vocab_size: int, num_rows: int, first_row: int) -> np.ndarray:
@@ -251,15 +161,129 @@ def _reserve_pages(shm: SharedMemory) -> None:
         os.posix_fallocate(fd, 0, shm.size)
 
 
-def _open_untracked(name: str) -> SharedMemory:
-    """Open an existing segment without handing it to this process's resource tracker.
+class SlabWriter:
+    """The server's side of a client's slab: a descriptor it writes rows through, never a mapping.
 
-    Before Python 3.13, opening a segment registers it with the opener's
-    resource tracker, which would unlink the client's segment (and warn of
-    a leak) when the server exits; the client owns it.
+    Not thread-safe: a server writes and closes it on its event loop.
     """
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name, track=False)  # type: ignore[call-arg]  # 3.13+
-    shm = SharedMemory(name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+
+    def __init__(self, fd: int, capacity_rows: int, vocab_size: int):
+        self._fd = fd
+        self.capacity_rows = capacity_rows
+        self.vocab_size = vocab_size
+        self._staging: torch.Tensor | None = None  # page-locked, for rows on a GPU
+
+    @property
+    def is_closed(self) -> bool:
+        return self._fd < 0
+
+    @classmethod
+    def attach(cls, name: str, nonce: bytes, capacity_rows: int, vocab_size: int) -> SlabWriter:
+        """Open a client's slab after checking it is the one offered, and the client's alone.
+
+        Raises:
+            SlabRefused: the message says why (not a slab name, no such segment here,
+                another owner, open to other users, another size, another nonce).
+        """
+        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
+            raise SlabRefused(f"not a slab name: {name!r}")
+        if min(capacity_rows, vocab_size) < 1:
+            raise SlabRefused(f"a slab of {capacity_rows} rows of {vocab_size} holds nothing")
+        try:
+            fd = _shm_open(name)
+        except (
+            OSError
+        ) as exc:  # FileNotFoundError on another machine, PermissionError for another user
+            raise SlabRefused(f"cannot open shared memory {name!r} here ({exc.strerror})") from None
+        try:
+            _check_private(fd, name, slab_bytes(capacity_rows, vocab_size))
+            if os.pread(fd, NONCE_BYTES, 0) != nonce:
+                raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, capacity_rows, vocab_size)
+
+    def write(self, rows: Sequence[torch.Tensor], first_row: int = 0) -> None:
+        """Copy ``rows`` (float32 ``[vocab_size]`` each, any device) into the slab from row ``first_row`` on.
+
+        Raises:
+            ValueError: the rows do not fit, or this writer is closed.
+            SlabRefused: the segment cannot be written any more (the client made it
+                unwritable, say by shrinking it on a full ``/dev/shm``).
+        """
+        if self.is_closed:
+            raise ValueError("this slab is closed")
+        if first_row < 0 or first_row + len(rows) > self.capacity_rows:
+            raise ValueError(
+                f"{len(rows)} rows from row {first_row} do not fit a slab of {self.capacity_rows}"
+            )
+        if any(row.dtype != torch.float32 or row.numel() != self.vocab_size for row in rows):
+            raise ValueError(f"rows must be float32 [{self.vocab_size}]")
+        if all(row.device.type == "cpu" for row in rows):
+            buffers = [row.detach().contiguous().numpy().data.cast("B") for row in rows]
+        else:
+            buffers = [self._to_host(rows).numpy().data.cast("B")]
+        try:
+            _write_all(self._fd, buffers, HEADER_BYTES + 4 * self.vocab_size * first_row)
+        except OSError as exc:
+            raise SlabRefused(f"the slab cannot be written ({exc.strerror})") from None
+
+    def _to_host(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """GPU rows in this writer's page-locked buffer (the copy engine writes it directly)."""
+        if self._staging is None:
+            try:
+                self._staging = torch.empty(self.capacity_rows, self.vocab_size, pin_memory=True)
+            except RuntimeError:  # no more lockable memory: pageable then
+                self._staging = torch.empty(self.capacity_rows, self.vocab_size)
+        staged = self._staging[: len(rows)]
+        staged.copy_(torch.stack(list(rows)))
+        return staged
+
+    def close(self) -> None:
+        """Close the descriptor. Idempotent."""
+        fd, self._fd = self._fd, -1
+        self._staging = None
+        if fd >= 0:
+            os.close(fd)
+
+
+def _check_private(fd: int, name: str, size: int) -> None:
+    """Refuse a segment that is not a plain file of exactly ``size`` bytes that the server's
+    user owns and no other user may read or write."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise SlabRefused(f"shared memory {name!r} is not a plain segment")
+    if info.st_uid != os.geteuid():
+        raise SlabRefused(f"shared memory {name!r} belongs to another user")
+    if info.st_mode & 0o077:
+        raise SlabRefused(
+            f"shared memory {name!r} is open to other users (mode {stat.S_IMODE(info.st_mode):o}, "
+            "expected 600)"
+        )
+    if info.st_size != size:
+        raise SlabRefused(f"shared memory {name!r} is {info.st_size} bytes, not the {size} offered")
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """``pwritev`` every byte of ``buffers`` at ``offset``, over short writes and ``IOV_MAX``."""
+    pending = [buffer for buffer in buffers if len(buffer)]
+    while pending:
+        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(0, "nothing written")
+        offset += written
+        while pending and written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        if written:
+            pending[0] = pending[0][written:]
+
+
+def _shm_open(name: str) -> int:
+    """A read-write descriptor of the existing POSIX segment ``name`` (not handed to any tracker)."""
+    import _posixshmem  # the module SharedMemory opens segments with
+
+    return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
