@@ -21,7 +21,7 @@ import urllib3
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RequestTooLargeError, ServerUnavailableError
 from genlm_backend.llm.remote import RemoteLM, protocol
-from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
+from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, MAX_HELLO_BYTES, frame
 from genlm_backend.llm.remote.protocol import ServeLimits
 from genlm_backend.llm.remote.slab import Slab, rows_view
 from genlm_backend.serve import channel as channel_module
@@ -194,6 +194,9 @@ def test_a_connection_that_never_names_its_session_is_closed(monkeypatch):
         closed = asyncio.Event()
 
         class Writer:
+            def get_extra_info(self, name: str):
+                return None
+
             def close(self) -> None:
                 closed.set()
 
@@ -201,3 +204,111 @@ def test_a_connection_that_never_names_its_session_is_closed(monkeypatch):
         return closed.is_set()
 
     assert asyncio.run(serve_a_silent_connection())
+
+
+# Who may use a channel, and how much of the server one connection may take.
+
+
+def test_a_hello_over_its_cap_is_closed_unread(session):
+    """A hello is a session id: one announcing more than MAX_HELLO_BYTES is not read."""
+    padded = protocol.pack({"session": session.id, "padding": "x" * MAX_HELLO_BYTES})
+    with session.connect() as sock:
+        assert receive_after(sock, frame(padded)) == b""  # closed, though the session is open
+    with session.connect() as sock:  # only announced: the server does not wait for it
+        assert receive_after(sock, (1 << 24).to_bytes(LENGTH_BYTES, "little")) == b""
+
+
+def receive_after(sock: socket.socket, data: bytes) -> bytes:
+    sock.sendall(data)
+    return receive(sock)
+
+
+def test_a_request_may_write_only_into_its_own_session_s_slab(server, reference):
+    """Another session's id in a request is refused; that session's slab is left as it was."""
+    mine, theirs = Session(server.url), Session(server.url)
+    try:
+        with mine.connect() as sock:
+            assert exchange(sock, protocol.pack({"session": mine.id})) == b"O"
+            error = error_of(exchange(sock, request([[1, 2]], theirs.id)))
+            assert (
+                error["kind"] == "Unauthorized" and "its channel's own session" in error["message"]
+            )
+            assert torch.equal(theirs.slab.read(4), torch.zeros(4, len(BYTE_VOCAB)))
+            answer = exchange(sock, request([[1, 2]], mine.id))  # its own: written
+            assert answer[:1] == b"S"
+            assert torch.equal(mine.slab.read(1)[0], reference.next_token_logprobs_sync([1, 2]))
+    finally:
+        mine.close()
+        theirs.close()
+
+
+class FakeConnection:
+    """A channel connection served in-process: frames fed to its reader, answers collected."""
+
+    def __init__(self, *payloads: bytes, peer: socket.socket | None = None):
+        self.payloads = payloads
+        self.peer = peer
+        self.written = bytearray()
+
+    def reader(self) -> asyncio.StreamReader:
+        """A reader of the payloads' frames (made in the loop that serves it)."""
+        reader = asyncio.StreamReader()
+        for payload in self.payloads:
+            reader.feed_data(frame(payload))
+        reader.feed_eof()
+        return reader
+
+    def get_extra_info(self, name: str):
+        return self.peer if name == "socket" else None
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def answers(self) -> list[bytes]:
+        answers, data = [], bytes(self.written)
+        while data:
+            length = int.from_bytes(data[:LENGTH_BYTES], "little")
+            answers.append(data[LENGTH_BYTES : LENGTH_BYTES + length])
+            data = data[LENGTH_BYTES + length :]
+        return answers
+
+
+def serve(app: ServeApp, connection: FakeConnection) -> list[bytes]:
+    async def run() -> None:
+        await app.channel.serve_connection(connection.reader(), connection)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    return connection.answers()
+
+
+def test_connections_over_the_cap_are_answered_busy():
+    app = ServeApp(MockAsyncLM(byte_vocab=BYTE_VOCAB), ServeLimits(), log=lambda message: None)
+    app.channel.max_connections = 0
+    [answer] = serve(app, FakeConnection(protocol.pack({"session": "x"})))
+    error = error_of(answer)
+    assert error["kind"] == "Busy" and "1 local connections at most" not in error["message"]
+    assert "0 local connections at most" in error["message"]
+    assert app.channel.num_connections == 0
+
+
+def test_the_channel_serves_its_own_user_only(monkeypatch):
+    """The peer's user id comes from the kernel (SO_PEERCRED); another user's is refused."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        pytest.skip("peer credentials are a Linux socket option")
+    app = ServeApp(MockAsyncLM(byte_vocab=BYTE_VOCAB), ServeLimits(), log=lambda message: None)
+    server_side, client_side = socket.socketpair(socket.AF_UNIX)
+    with server_side, client_side:
+        assert channel_module._peer_uid(server_side) == channel_module.os.geteuid()
+        [answer] = serve(app, FakeConnection(b"\xc1", peer=server_side))
+        assert "a malformed hello" in error_of(answer)["message"]  # same user: on to the hello
+        real = channel_module.os.geteuid()
+        monkeypatch.setattr(channel_module.os, "geteuid", lambda: real + 1)  # as if another user
+        [answer] = serve(app, FakeConnection(b"\xc1", peer=server_side))
+        error = error_of(answer)
+        assert error["kind"] == "Unauthorized" and "its own user only" in error["message"]

@@ -231,8 +231,16 @@ def test_a_token_is_required_when_set():
         )
         client.wait_for("^ok$")
         client.stop()
+        assert "no token" not in server.output
     finally:
         server.stop()
+
+
+def test_a_server_without_a_token_says_at_start_who_can_use_it(gated_server):
+    gated_server.wait_for(
+        r"no token: every user of this machine can reach 127\.0\.0\.1:\d+ and use this model "
+        r"\(the local channel serves this user only\); set GENLM_SERVE_TOKEN or pass --token-file"
+    )
 
 
 def test_non_loopback_needs_the_flag_and_a_token(capsys):

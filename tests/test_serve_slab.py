@@ -291,3 +291,23 @@ def test_cuda_rows_go_into_the_slab_exactly():
         server.close()
         client.close()
         client.unlink()
+
+
+def test_offers_beyond_the_sessions_cap_are_refused():
+    from genlm_backend.llm.remote.protocol import SlabOffer
+    from genlm_backend.serve.sessions import SlabSessions
+
+    sessions = SlabSessions(VOCAB, max_sessions=1)
+    slabs = [Slab.create(2, VOCAB) for _ in range(2)]
+    try:
+        first = sessions.open(SlabOffer("a", slabs[0].name, slabs[0].nonce, 2))
+        with pytest.raises(SlabRefused, match="1 slab sessions at most"):
+            sessions.open(SlabOffer("b", slabs[1].name, slabs[1].nonce, 2))
+        sessions.close(first)
+        sessions.open(SlabOffer("b", slabs[1].name, slabs[1].nonce, 2))  # room again
+        assert sessions.num_open == 1
+    finally:
+        sessions.close_all()
+        for slab in slabs:
+            slab.close()
+            slab.unlink()

@@ -159,6 +159,11 @@ class ServeApp:
         except Exception as exc:  # noqa: BLE001 - e.g. an adapter that fails to load: tell the client
             raise Reject("ModelError", f"{type(exc).__name__}: {exc}") from None
 
+    @property
+    def has_token(self) -> bool:
+        """Whether requests need the shared token."""
+        return self._token is not None
+
     def _check_admission(self, scope) -> None:
         """Raises ``Reject`` for a request without the token, or once the server is closing."""
         self._check_token(scope)
@@ -183,12 +188,14 @@ class ServeApp:
         )
 
     async def answer_logprobs(
-        self, body: bytes, gone: Callable[[], Awaitable], who: str
+        self, body: bytes, gone: Callable[[], Awaitable], who: str, session: str | None = None
     ) -> tuple[bytes, str]:
         """A ``/v1/logprobs`` body's answer and its content type, over HTTP or a local channel.
 
         ``gone()`` ends when the client goes away (its request is then cancelled);
-        ``who`` names the client in the log. Raises ``Reject`` or ``ClientGone``.
+        ``who`` names the client in the log; ``session``: the one a local channel's
+        hello named, the only one its requests may write to. Raises ``Reject`` or
+        ``ClientGone``.
         """
         self._counts["requests"] += 1
         try:
@@ -197,6 +204,8 @@ class ServeApp:
             raise Reject("RequestTooLarge", str(exc)) from None
         except ValueError as exc:
             raise Reject("ValueError", str(exc)) from None
+        if session is not None and request.session not in (None, session):
+            raise Reject("Unauthorized", "a request may name only its channel's own session")
         rows = self._held_rows(request)
         if rows is None:
             self._num_logprobs_in_flight += 1

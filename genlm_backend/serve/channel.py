@@ -7,6 +7,14 @@ session, then each request frame gets one answer frame, computed by the same
 server function as a ``POST /v1/logprobs`` (``answer_logprobs``), with the same
 limits, errors, cancellation (the client closing the connection) and
 shutdown answers.
+
+Only the server's own user may connect: on Linux the socket's name is abstract
+(no file permissions), so the peer's credentials are checked; elsewhere the
+socket lies in a directory only that user may enter. A hello is at most
+:data:`~genlm_backend.llm.remote.channel.MAX_HELLO_BYTES` and comes within
+:data:`~genlm_backend.llm.remote.channel.HELLO_TIMEOUT_S`; a request may name only
+its hello's session; at most :attr:`ChannelServer.max_connections` connections
+are served at once, and one more is answered "busy".
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import asyncio
 import os
 import secrets
 import shutil
+import socket
+import struct
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -27,6 +37,7 @@ from genlm_backend.llm.remote.channel import (
     HELLO_ACCEPTED,
     HELLO_TIMEOUT_S,
     LENGTH_BYTES,
+    MAX_HELLO_BYTES,
     ROWS_ANSWER,
     SLAB_ANSWER,
     frame,
@@ -55,7 +66,7 @@ class ChannelHost(Protocol):
     def log(self, line: str) -> None: ...
 
     async def answer_logprobs(
-        self, body: bytes, gone: Callable[[], Awaitable], who: str
+        self, body: bytes, gone: Callable[[], Awaitable], who: str, session: str | None = None
     ) -> tuple[bytes, str]: ...
 
 
@@ -64,10 +75,13 @@ class ChannelServer:
 
     Args:
         host: The server whose requests the channel carries.
+        max_connections: Most connections served at once.
     """
 
-    def __init__(self, host: ChannelHost):
+    def __init__(self, host: ChannelHost, max_connections: int = 256):
         self.host = host
+        self.max_connections = max_connections
+        self.num_connections = 0
         self._listener: asyncio.Future[ChannelListener] | None = None
         self._refusal: str | None = None
 
@@ -90,9 +104,17 @@ class ChannelServer:
         task = asyncio.current_task()
         assert task is not None
         host.held_sessions.add(task)
+        self.num_connections += 1
         try:
+            refusal = self._refusal_of(writer)
+            if refusal is not None:
+                writer.write(frame(self._error(refusal)))
+                await writer.drain()
+                return
             try:
-                hello = await asyncio.wait_for(self._next_frame(reader), HELLO_TIMEOUT_S)
+                hello = await asyncio.wait_for(
+                    self._next_frame(reader, MAX_HELLO_BYTES), HELLO_TIMEOUT_S
+                )
             except TimeoutError:
                 return  # a connection that never named its session
             if hello is None:
@@ -114,7 +136,7 @@ class ChannelServer:
                     return
                 host.in_flight.add(task)
                 try:
-                    answer = await self._answer(body, reader, who)
+                    answer = await self._answer(body, reader, who, session)
                 finally:
                     host.in_flight.discard(task)
                 if answer is None:
@@ -124,12 +146,33 @@ class ChannelServer:
         except (ConnectionError, asyncio.IncompleteReadError, FrameTooLarge):
             pass  # the client went away between requests, or sent an oversized hello
         finally:
+            self.num_connections -= 1
             host.held_sessions.discard(task)
             writer.close()
 
-    async def _next_frame(self, reader: asyncio.StreamReader) -> bytes | None:
-        """The next frame, ``None`` once the client closed or the server is closing."""
-        read = asyncio.ensure_future(read_frame(reader, self.host.max_body_bytes))
+    def _refusal_of(self, writer: asyncio.StreamWriter) -> Reject | None:
+        """Why a new connection is not served (another user, too many connections), if it is not."""
+        peer_uid = _peer_uid(writer.get_extra_info("socket"))
+        if peer_uid is not None and peer_uid != os.geteuid():
+            return Reject("Unauthorized", "this server's local channel serves its own user only")
+        if self.num_connections > self.max_connections:
+            return Reject(
+                "Busy",
+                f"the server serves {self.max_connections} local connections at most; retry later",
+            )
+        return None
+
+    async def _next_frame(
+        self, reader: asyncio.StreamReader, max_bytes: int | None = None
+    ) -> bytes | None:
+        """The next frame, ``None`` once the client closed or the server is closing.
+
+        ``max_bytes`` (a hello's): a longer frame raises ``FrameTooLarge`` unread.
+        """
+        if max_bytes is None:
+            read = asyncio.ensure_future(read_frame(reader, self.host.max_body_bytes))
+        else:
+            read = asyncio.ensure_future(read_frame(reader, max_bytes, drain=False))
         try:
             await asyncio.wait(
                 {read, self.host.closing_watch()}, return_when=asyncio.FIRST_COMPLETED
@@ -154,13 +197,17 @@ class ChannelServer:
             return None, "the hello names no open session of this server"
         return session, f"client {client[:12]} (local channel)"
 
-    async def _answer(self, body: bytes, reader: asyncio.StreamReader, who: str) -> bytes | None:
+    async def _answer(
+        self, body: bytes, reader: asyncio.StreamReader, who: str, session: str
+    ) -> bytes | None:
         """A request frame's answer frame; ``None``: the client went away."""
         host = self.host
         try:
             if host.closing.is_set():
                 raise Reject("ShuttingDown", host.shutdown_message())
-            rows, content_type = await host.answer_logprobs(body, lambda: reader.read(1), who)
+            rows, content_type = await host.answer_logprobs(
+                body, lambda: reader.read(1), who, session
+            )
         except Reject as reject:
             return self._error(reject)
         except ClientGone:
@@ -220,12 +267,15 @@ class ChannelListener:
             self._directory = None
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int, drain: bool = True
+) -> bytes | None:
     """The next frame's payload; ``None`` once the client has closed the connection.
 
     Raises:
-        FrameTooLarge: the frame announces more than ``max_bytes`` (its payload is
-            read and dropped first, so the connection stays usable).
+        FrameTooLarge: the frame announces more than ``max_bytes`` (with ``drain``, its
+            payload is read and dropped first, so the connection stays usable; without,
+            nothing more is read).
         asyncio.IncompleteReadError: the connection closed mid-frame.
     """
     try:
@@ -235,6 +285,8 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
             return None
         raise
     length = int.from_bytes(header, "little")
+    if length > max_bytes and not drain:
+        raise FrameTooLarge(length)
     if length > max_bytes:
         remaining = length
         while remaining:
@@ -249,3 +301,15 @@ class FrameTooLarge(Exception):
     def __init__(self, num_bytes: int):
         super().__init__(num_bytes)
         self.num_bytes = num_bytes
+
+
+_PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer_uid(sock: socket.socket | None) -> int | None:
+    """The user id of a Unix socket's peer, where the platform says (``SO_PEERCRED``: Linux)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or option is None:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, option, _PEER_CREDENTIALS.size)
+    return _PEER_CREDENTIALS.unpack(raw)[1]

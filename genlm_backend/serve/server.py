@@ -113,6 +113,12 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             self._log(f"listening on http://{shown}:{port}")
+            if not self.app.has_token:
+                self._log(
+                    f"no token: every user of this machine can reach {shown}:{port} and use this "
+                    "model (the local channel serves this user only); set "
+                    f"{TOKEN_ENV} or pass --token-file to require one"
+                )
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -25,10 +25,13 @@ class SlabSessions:
 
     Args:
         vocab_size: Floats per row.
+        max_sessions: Most sessions open at once; an offer beyond is refused (its
+            client gets its rows in answer bodies).
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, max_sessions: int = 256):
         self.vocab_size = vocab_size
+        self.max_sessions = max_sessions
         self._slabs: dict[str, SlabWriter] = {}
         self._clients: dict[str, str] = {}
         self.num_rows_written = 0
@@ -43,6 +46,8 @@ class SlabSessions:
         Raises:
             SlabRefused: the slab cannot be used from here (the message says why).
         """
+        if len(self._slabs) >= self.max_sessions:
+            raise SlabRefused(f"the server holds {self.max_sessions} slab sessions at most")
         slab = SlabWriter.attach(offer.name, offer.nonce, offer.capacity_rows, self.vocab_size)
         session = secrets.token_hex(16)
         self._slabs[session] = slab

@@ -52,6 +52,8 @@ ERROR_ANSWER = b"E"
 HELLO_ACCEPTED = b"O"
 HELLO_TIMEOUT_S = 10.0
 """A connection that has not named its session by then is closed."""
+MAX_HELLO_BYTES = 1024
+"""A hello is a session id in a small map; a connection that announces more is closed unread."""
 
 
 def frame(payload: bytes) -> bytes:

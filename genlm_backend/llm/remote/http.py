@@ -18,6 +18,7 @@ _ERRORS: dict[str, type[Exception]] = {
     "RequestTooLarge": RequestTooLargeError,
     "Unauthorized": ServerRejectedError,
     "ShuttingDown": ServerUnavailableError,
+    "Busy": ServerUnavailableError,
     "ModelError": RemoteModelError,
 }
 

@@ -66,6 +66,7 @@ ERROR_STATUS = {
     "RequestTooLarge": 413,  # over a ServeLimits limit
     "ModelError": 500,  # the model failed the batch
     "ShuttingDown": 503,  # the server is stopping; the request was not computed
+    "Busy": 503,  # over a cap of the server's (local connections); nothing was computed
 }
 """HTTP status of each error kind."""
 
