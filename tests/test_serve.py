@@ -20,7 +20,7 @@ from tests.serve_support import ServerProcess
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerProcess.cli("--backend", "mock", "--port", "0")
+    server = ServerProcess.cli("--backend", "mock", "--port", "0", "--adapter-dir", "/adapters")
     yield server
     server.stop()
 

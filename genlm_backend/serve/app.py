@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 
 import torch
@@ -64,6 +64,7 @@ class ServeApp:
         lm: The model; owned by the caller until :meth:`begin_shutdown` closes it.
         limits: Per-request limits; its ``max_context_length`` defaults to the model's.
         token: Shared secret every request must carry (``Authorization: Bearer``); ``None``: none asked.
+        adapter_dirs: Folders that ``POST /v1/lora`` may load adapters from (none: it loads none).
         model_name: Shown to clients (``RemoteLM.model_name``).
         log: Where event lines go (a client went away, shutdown).
     """
@@ -76,6 +77,7 @@ class ServeApp:
         token: str | None = None,
         model_name: str = "",
         backend: str = "",
+        adapter_dirs: Sequence[str] = (),
         log: Log = print,
     ):
         self.lm = lm
@@ -97,7 +99,9 @@ class ServeApp:
         """Requests of slab sessions over a local socket (see :mod:`~genlm_backend.serve.channel`)."""
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
-        self._routes = model_routes(lm, self.info, lambda: asdict(self.stats))
+        self._routes = model_routes(
+            lm, self.info, lambda: asdict(self.stats), adapter_dirs, log=log
+        )
 
     @property
     def stats(self) -> ServeStats:
@@ -154,10 +158,15 @@ class ServeApp:
         body = await read_body(scope, receive, self.limits.max_body_bytes)
         try:
             return await handler(body)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # the handlers' own messages, about the request
             raise Reject(type(exc).__name__, str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - e.g. an adapter that fails to load: tell the client
-            raise Reject("ModelError", f"{type(exc).__name__}: {exc}") from None
+        except PermissionError as exc:
+            raise Reject("Forbidden", str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - its text stays here: it may name server files
+            self.log(f"{scope['method']} {scope['path']} failed: {type(exc).__name__}: {exc}")
+            raise Reject(
+                "ModelError", "the server failed this request (its log says why)"
+            ) from None
 
     @property
     def has_token(self) -> bool:

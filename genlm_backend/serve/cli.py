@@ -69,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens per context (default: the model's own limit)",
     )
     parser.add_argument(
+        "--adapter-dir",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="a folder clients may load LoRA adapters from (repeatable; default: none, "
+        "so clients use only the adapters the server has)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=defaults.max_body_bytes,
@@ -99,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote,
             model_name=args.model or "",
             backend=backend,
+            adapter_dirs=args.adapter_dir,
             log=log,
         )
     finally:

@@ -2,12 +2,19 @@
 
 Each takes a msgpack body and answers a msgpack map; a malformed body raises
 ``ValueError`` (the app answers it with HTTP 400).
+
+Adapters load over the API only from the folders the server was started with
+(``--adapter-dir``; none by default): a path outside them, or a hub id, is
+refused with ``PermissionError``. A load that fails is answered without its
+exception's text, which could tell a client what exists on the server; the
+server's log has it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 
 from genlm_backend.llm.base import AsyncLM
@@ -17,9 +24,17 @@ Handler = Callable[[bytes], Awaitable[tuple[bytes, str]]]
 
 
 def model_routes(
-    lm: AsyncLM, info: dict, server_stats: Callable[[], dict]
+    lm: AsyncLM,
+    info: dict,
+    server_stats: Callable[[], dict],
+    adapter_dirs: Sequence[str] = (),
+    log: Callable[[str], None] = print,
 ) -> dict[tuple[str, str], Handler]:
-    """``(method, path) -> handler`` for ``/v1/info``, ``/v1/stats``, ``/v1/lora`` and ``/v1/clear``."""
+    """``(method, path) -> handler`` for ``/v1/info``, ``/v1/stats``, ``/v1/lora`` and ``/v1/clear``.
+
+    ``adapter_dirs``: the folders adapters may be loaded from over the API.
+    """
+    allowed = [os.path.realpath(folder) for folder in adapter_dirs]
 
     async def get_info(body: bytes) -> tuple[bytes, str]:
         return _answer({**info, "adapters": _adapter_paths(lm)})
@@ -33,7 +48,14 @@ def model_routes(
         if not (isinstance(name, str) and isinstance(path, str)):
             raise ValueError("malformed request body: 'name' and 'path' must be strings")
         if op == "add":
-            await asyncio.to_thread(lm.add_new_lora, path, name)
+            local = _allowed_path(path, allowed)
+            try:
+                await asyncio.to_thread(lm.add_new_lora, local, name)
+            except Exception as exc:  # noqa: BLE001 - its text stays in the server's log
+                log(f"adapter {name!r} from {local} failed to load: {type(exc).__name__}: {exc}")
+                raise ValueError(
+                    f"adapter {name!r} could not be loaded from {path!r} (the server's log says why)"
+                ) from None
         elif op == "remove":
             await asyncio.to_thread(lm.remove_lora, name)
         else:
@@ -61,3 +83,21 @@ def _answer(fields: dict) -> tuple[bytes, str]:
 
 def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
     return {name: adapter.path for name, adapter in lm.adapters.registered().items()}
+
+
+def _allowed_path(path: str, allowed: Sequence[str]) -> str:
+    """``path`` resolved in the first of the ``allowed`` folders (or as given, if absolute).
+
+    Raises:
+        PermissionError: no folders are allowed, or ``path`` leads out of them (``..``,
+            a link, an absolute path elsewhere, a hub id that no folder holds).
+    """
+    if not allowed:
+        raise PermissionError(
+            "this server loads no adapters over its API; start it with --adapter-dir FOLDER "
+            "to allow those in FOLDER"
+        )
+    resolved = os.path.realpath(os.path.join(allowed[0], path))  # an absolute path stays itself
+    if not any(os.path.commonpath([resolved, folder]) == folder for folder in allowed):
+        raise PermissionError(f"adapter path {path!r} is not in a folder this server loads from")
+    return resolved

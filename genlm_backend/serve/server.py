@@ -14,7 +14,7 @@ import contextlib
 import ipaddress
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -64,6 +64,7 @@ def serve(
     allow_remote: bool = False,
     model_name: str = "",
     backend: str = "",
+    adapter_dirs: Sequence[str] = (),
     log: Log = print,
 ) -> ServeApp:
     """Serve ``lm`` until SIGINT or SIGTERM; returns the app (its ``stats``) once stopped.
@@ -78,7 +79,13 @@ def serve(
     """
     check_binding(host, allow_remote, token)
     app = ServeApp(
-        lm, limits or ServeLimits(), token=token, model_name=model_name, backend=backend, log=log
+        lm,
+        limits or ServeLimits(),
+        token=token,
+        model_name=model_name,
+        backend=backend,
+        adapter_dirs=adapter_dirs,
+        log=log,
     )
     config = uvicorn.Config(
         app,

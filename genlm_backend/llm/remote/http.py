@@ -17,6 +17,7 @@ _ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "RequestTooLarge": RequestTooLargeError,
     "Unauthorized": ServerRejectedError,
+    "Forbidden": PermissionError,
     "ShuttingDown": ServerUnavailableError,
     "Busy": ServerUnavailableError,
     "ModelError": RemoteModelError,

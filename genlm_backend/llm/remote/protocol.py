@@ -62,6 +62,7 @@ ERROR_STATUS = {
     "TypeError": 400,  # a context of the wrong type
     "ValueError": 400,  # a bad token id, unknown adapter, malformed body
     "Unauthorized": 401,  # missing or wrong token
+    "Forbidden": 403,  # not allowed by the server's settings (e.g. loading adapters)
     "NotFound": 404,
     "RequestTooLarge": 413,  # over a ServeLimits limit
     "ModelError": 500,  # the model failed the batch
