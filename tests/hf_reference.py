@@ -2,10 +2,13 @@
 
 Reference: ``log_softmax(model(full_context).logits[-1])`` in fp32, one context
 at a time, no cache. Tolerance: 1e-4 absolute on log-probabilities.
+:class:`Reference` computes it on a copy of the model taken before any code under
+test touched it, with adapters loaded by peft itself: no path of the runners'.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -19,6 +22,36 @@ def reference(model, context) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([list(context)]), use_cache=False).logits[0, -1]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+class Reference:
+    """Rows of a pristine copy of ``model`` (taken now), under adapters peft loads from their folders.
+
+    Args:
+        model: A transformers causal LM, before a runner wraps or changes it.
+        vocab_size: The runner's vocabulary (rows are cut to it).
+    """
+
+    def __init__(self, model, vocab_size: int):
+        self._base = copy.deepcopy(model).eval()
+        self._adapted: dict[str, object] = {}
+        self.vocab_size = vocab_size
+
+    def row(self, context, adapter_path: str | None = None) -> torch.Tensor:
+        model = self._base if adapter_path is None else self._with_adapter(adapter_path)
+        return reference(model, context)[: self.vocab_size]
+
+    def of(self, request) -> torch.Tensor:
+        """The row of a runner ``Request`` (its adapter's folder, its context)."""
+        return self.row(request.context, None if request.adapter is None else request.adapter.path)
+
+    def _with_adapter(self, path: str):
+        if path not in self._adapted:
+            import peft
+
+            base = copy.deepcopy(self._base).to(next(self._base.parameters()).device)
+            self._adapted[path] = peft.PeftModel.from_pretrained(base, path).eval()
+        return self._adapted[path]
 
 
 def assert_matches_reference(llm: AsyncTransformer, context, result: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Captured one-token steps: every replayed row equals a plain uncached forward.
 
-Reference: ``HFRunner.run_uncached``, one context at a time, no cache, fp32.
+Reference: ``tests/hf_reference.py``'s plain forward of a copy of the model taken
+before the runner got it (adapters loaded by peft), one context at a time, no cache, fp32.
 Tolerance: 1e-4 absolute on log-probabilities (``tests/hf_reference.py``).
 The steps run as real CUDA graphs with ``-m gpu`` on a CUDA device, and
 everywhere as graphs emulated on CPU (``tests/graph_emulation.py``: a host
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from genlm_backend.llm.runner import Request
 from tests import conftest
 from tests.cuda_emulation import EmulatedCudaKernels, cuda_branches
 from tests.graph_emulation import EmulatedGraphs, HostSyncDuringCapture, emulated_graphs
-from tests.hf_reference import ATOL, random_workload
+from tests.hf_reference import ATOL, Reference, random_workload
 
 VOCAB = 2000
 
@@ -58,15 +60,21 @@ def graph_device(request):
 def make_runner(device, build="build_tiny_llama", budget_bytes=1 << 30, **graph_bounds):
     model = getattr(conftest, build)(VOCAB).to(device)
     model.config._attn_implementation = "sdpa"
+    reference = Reference(model, VOCAB)
     runner = HFRunner(model, KVPrefixTree(budget_bytes), VOCAB)
+    REFERENCES[runner] = reference
     for name, value in graph_bounds.items():
         setattr(runner.graphs, name, value)
     return runner
 
 
+REFERENCES: weakref.WeakKeyDictionary[HFRunner, Reference] = weakref.WeakKeyDictionary()
+"""Each runner's reference (made by :func:`make_runner`)."""
+
+
 def assert_rows_match(runner: HFRunner, contexts, rows) -> None:
     for context, row in zip(contexts, rows):
-        expected = runner.run_uncached(Request(None, context))
+        expected = REFERENCES[runner].row(context)
         torch.testing.assert_close(row, expected, atol=ATOL, rtol=0)
 
 
@@ -349,7 +357,9 @@ def test_random_workloads_with_every_piece_a_level_match(graph_device, seed):
 def test_models_whose_levels_are_unsupported_run_eagerly(graph_device):
     model = conftest.build_tiny_llama(VOCAB).to(graph_device)
     model.config._attn_implementation = "eager"
+    reference = Reference(model, VOCAB)
     runner = HFRunner(model, KVPrefixTree(1 << 30), VOCAB)
+    REFERENCES[runner] = reference
     rng = random.Random(9)
     prompt = prompt_of(rng, 40)
     particles = extend(rng, [prompt] * 3)
@@ -382,15 +392,15 @@ def test_each_adapter_gets_its_own_graph_and_unloading_drops_them(graph_device, 
         requests = [Request(name, p) for name, group in particles.items() for p in group]
         rows = runner.run(requests)
         for request, row in zip(requests, rows):
-            torch.testing.assert_close(row, runner.run_uncached(request), atol=ATOL, rtol=0)
+            torch.testing.assert_close(row, REFERENCES[runner].of(request), atol=ATOL, rtol=0)
         particles = {
             name: extend(rng, [rng.choice(group) for group_row in group] if number % 2 else group)
             for name, group in particles.items()
         }
     stats = runner.graphs.stats
     assert stats.num_captures == 2 and stats.num_graphs == 2  # one per adapter, none per resample
-    base = runner.run_uncached(Request(None, particles[None][0]))
-    adapted = runner.run_uncached(Request(adapter, particles[None][0]))
+    base = REFERENCES[runner].of(Request(None, particles[None][0]))
+    adapted = REFERENCES[runner].of(Request(adapter, particles[None][0]))
     assert (base - adapted).abs().max() > 1e-3  # the adapter changes keys/values
     runner.unload_adapter(adapter)
     assert runner.graphs.stats.num_graphs == 0

@@ -1,8 +1,11 @@
 """The runner contract, one suite over the HF, vLLM and mock runners.
 
 A runner turns distinct requests into ``[B, V]`` float32 normalized rows; each
-row must equal the runner's plain uncached forward of that request, whatever
-the runner cached from earlier batches, and whatever adapters the batch mixes.
+row must equal a plain uncached forward of that request, whatever the runner
+cached from earlier batches, and whatever adapters the batch mixes. For the HF
+and vLLM runners the reference is ``tests/hf_reference.py``'s: transformers'
+forward of the same weights, copied before the runner got them, adapters
+loaded by peft; for the mock, its defining function (``run_uncached``).
 Tolerance: 1e-4 absolute (1e-3 for vLLM, whose kernels differ more, as in test_vllm.py).
 """
 
@@ -16,6 +19,7 @@ import torch
 
 from genlm_backend.llm.runner import Adapter, Request
 from tests.conftest import build_tiny_gpt2
+from tests.hf_reference import Reference
 
 RUNNERS = ["mock", "hf", "vllm"]
 
@@ -23,15 +27,18 @@ RUNNERS = ["mock", "hf", "vllm"]
 def make_mock(tokenizer, tmp_path_factory):
     from genlm_backend.llm.mock import MockRunner
 
-    return MockRunner(len(tokenizer), torch.device("cpu")), None, 1e-6
+    runner = MockRunner(len(tokenizer), torch.device("cpu"))
+    return runner, None, 1e-6, runner.run_uncached
 
 
 def make_hf(tokenizer, tmp_path_factory):
     from genlm_backend.cache.kv_tree import KVPrefixTree
     from genlm_backend.llm.hf.runner import HFRunner
 
-    runner = HFRunner(build_tiny_gpt2(len(tokenizer)), KVPrefixTree(1 << 30), len(tokenizer))
-    return runner, None, 1e-4
+    model = build_tiny_gpt2(len(tokenizer))
+    reference = Reference(model, len(tokenizer))
+    runner = HFRunner(model, KVPrefixTree(1 << 30), len(tokenizer))
+    return runner, None, 1e-4, reference.of
 
 
 def make_vllm(tokenizer, tmp_path_factory):
@@ -40,7 +47,8 @@ def make_vllm(tokenizer, tmp_path_factory):
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     path = tmp_path_factory.mktemp("contract_gpt2")
-    build_tiny_gpt2(len(tokenizer)).save_pretrained(path)
+    model = build_tiny_gpt2(len(tokenizer))
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     opts = {
         "dtype": "float32",
@@ -51,23 +59,25 @@ def make_vllm(tokenizer, tmp_path_factory):
         "gpu_memory_utilization": 0.3,
     }
     llm = AsyncVirtualLM.from_name(path, engine_opts=opts)
-    return llm.runner, llm, 1e-3
+    return llm.runner, llm, 1e-3, Reference(model, len(tokenizer)).of
 
 
 @pytest.fixture(scope="module", params=RUNNERS)
 def runner_case(request, gpt2_tokenizer, tmp_path_factory):
-    """(runner, tolerance) for each runner, built once per module."""
+    """(name, runner, tolerance, reference) for each runner, built once per module;
+    ``reference(request)`` is the request's row."""
     maker = {"mock": make_mock, "hf": make_hf, "vllm": make_vllm}[request.param]
-    runner, owner, tolerance = maker(gpt2_tokenizer, tmp_path_factory)
-    yield request.param, runner, tolerance
+    runner, owner, tolerance, reference = maker(gpt2_tokenizer, tmp_path_factory)
+    yield request.param, runner, tolerance, reference
     (owner or runner).close()
 
 
-def check_rows(runner, requests, rows, tolerance) -> None:
+def check_rows(runner_case, requests, rows) -> None:
+    _, runner, tolerance, reference = runner_case
     assert rows.dtype == torch.float32 and rows.shape == (len(requests), runner.vocab_size)
     assert torch.logsumexp(rows, dim=-1).abs().max() < 1e-4
     for request, row in zip(requests, rows):
-        torch.testing.assert_close(row, runner.run_uncached(request), atol=tolerance, rtol=0)
+        torch.testing.assert_close(row, reference(request), atol=tolerance, rtol=0)
 
 
 def workload(rng: random.Random, vocab: int, num_rounds: int):
@@ -82,22 +92,22 @@ def workload(rng: random.Random, vocab: int, num_rounds: int):
 
 
 def test_rows_equal_uncached_forwards_across_cached_rounds(runner_case):
-    _, runner, tolerance = runner_case
+    runner = runner_case[1]
     rng = random.Random(0)
     tokens_before = runner.stats.num_tokens_computed
     for contexts in workload(rng, runner.vocab_size, 4):
         requests = [Request(None, tuple(c)) for c in contexts]
-        check_rows(runner, requests, runner.run(requests), tolerance)
+        check_rows(runner_case, requests, runner.run(requests))
     assert runner.stats.num_tokens_computed > tokens_before
 
 
 def test_clear_keeps_results_exact(runner_case):
-    _, runner, tolerance = runner_case
+    runner = runner_case[1]
     requests = [Request(None, (5, 6, 7)), Request(None, (5, 6, 7, 8))]
     runner.run(requests)
     runner.clear()
     assert runner.stats.kv_cache_bytes == 0
-    check_rows(runner, requests, runner.run(requests), tolerance)
+    check_rows(runner_case, requests, runner.run(requests))
 
 
 def adapter_for(name: str, runner, tmp_path) -> Adapter:
@@ -119,7 +129,7 @@ def adapter_for(name: str, runner, tmp_path) -> Adapter:
 
 
 def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path):
-    name, runner, tolerance = runner_case
+    name, runner, _, _ = runner_case
     if name == "vllm":
         with pytest.raises(ValueError, match="enable_lora"):
             runner.load_adapter(Adapter("a", 1, str(tmp_path)))
@@ -130,7 +140,7 @@ def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path)
         for contexts in workload(random.Random(1), runner.vocab_size, 3):
             requests = [Request(a, tuple(c)) for c in contexts for a in (None, adapter)]
             rows = runner.run(requests)
-            check_rows(runner, requests, rows, tolerance)
+            check_rows(runner_case, requests, rows)
             assert (rows[0] - rows[1]).abs().max() > 1e-3  # the adapter changes the output
     finally:
         runner.unload_adapter(adapter)
