@@ -111,6 +111,34 @@ async def test_lora_adapters_live_on_the_server(remote, reference):
         await remote.next_token_logprobs(context, lora_name="a")
 
 
+def test_another_client_s_registration_of_a_name_is_refused_never_answered(remote, reference):
+    """B registers "x" from one folder, then A from another: B's requests under "x" fail
+    (the server's registration changed), A's get A's adapter, and B registering again
+    gets B's back."""
+    (context,) = contexts_of(remote, "whose adapter", 1)
+    with RemoteLM(remote.url) as other:
+        remote.add_new_lora("/adapters/b", "x")
+        mine = remote.next_token_logprobs_sync(context, "x")
+        other.add_new_lora("/adapters/a", "x")  # the same name, other weights
+        with pytest.raises(ValueError, match=r"'x' was registered again .* register it again"):
+            remote.next_token_logprobs_sync(context + [1], "x")
+        reference.add_new_lora("/adapters/a", "x")
+        try:
+            theirs = other.next_token_logprobs_sync(context + [1], "x")
+            assert torch.equal(theirs, reference.next_token_logprobs_sync(context + [1], "x"))
+        finally:
+            reference.remove_lora("x")
+        remote.add_new_lora("/adapters/b", "x")
+        reference.add_new_lora("/adapters/b", "x")
+        try:
+            again = remote.next_token_logprobs_sync(context + [1], "x")
+            assert torch.equal(again, reference.next_token_logprobs_sync(context + [1], "x"))
+            assert not torch.equal(again, theirs) and mine.shape == again.shape
+        finally:
+            reference.remove_lora("x")
+            remote.remove_lora("x")
+
+
 async def test_bad_input_fails_in_the_client_before_any_round_trip(remote):
     round_trips = remote.runner.num_round_trips
     with pytest.raises(TypeError):

@@ -108,3 +108,19 @@ def test_shared_tokens_count_against_the_request_s_token_budget():
     assert len(body) < 1024
     with pytest.raises(RequestTooLargeError, match="1024 context tokens in one request"):
         protocol.decode_logprobs_request(body, budget)
+
+
+def test_adapter_versions_travel_with_their_contexts_and_are_checked():
+    body = protocol.encode_logprobs_request([[1], [2]], ["a", None], lora_versions=[7, None])
+    assert protocol.decode_logprobs_request(body, LIMITS).lora_versions == [7, None]
+    assert (
+        protocol.decode_logprobs_request(
+            protocol.encode_logprobs_request([[1]], ["a"]), LIMITS
+        ).lora_versions
+        is None
+    )  # a client that sends none (an older one)
+    for versions in ([7], [7, -1], [7, "7"], "7"):
+        fields = protocol.unpack(body)
+        fields["lora_versions"] = versions
+        with pytest.raises(ValueError, match="'lora_versions' must hold an int >= 0 or nil"):
+            protocol.decode_logprobs_request(protocol.pack(fields), LIMITS)

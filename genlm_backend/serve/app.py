@@ -215,6 +215,7 @@ class ServeApp:
             raise Reject("ValueError", str(exc)) from None
         if session is not None and request.session not in (None, session):
             raise Reject("Unauthorized", "a request may name only its channel's own session")
+        self._check_adapters(request)
         rows = self._held_rows(request)
         if rows is None:
             self._num_logprobs_in_flight += 1
@@ -228,6 +229,24 @@ class ServeApp:
         if self.sessions.write(request.session, rows, request.slab_row):
             return protocol.pack({"num_rows": len(rows)}), protocol.SLAB_CONTENT_TYPE
         return protocol.encode_rows(rows), protocol.ROWS_CONTENT_TYPE
+
+    def _check_adapters(self, request: LogprobsRequest) -> None:
+        """Refuse a request whose adapter's registration changed since its client learned it:
+        rows under other weights than the client registered are never answered."""
+        if request.lora_versions is None:
+            return
+        registered = self.lm.adapters.registered()
+        for name, version in zip(request.lora_names, request.lora_versions):
+            if name is None or version is None:
+                continue
+            current = registered.get(name)
+            if current is None or current.version != version:
+                what = "removed" if current is None else "registered again (by another client?)"
+                raise Reject(
+                    "ValueError",
+                    f"LoRA adapter {name!r} was {what} on the server since this client registered "
+                    "it; register it again to use the server's current one",
+                )
 
     def _held_rows(self, request: LogprobsRequest) -> list[torch.Tensor] | None:
         """The request's rows if the output cache holds every one (of one adapter): they need

@@ -37,7 +37,7 @@ def model_routes(
     allowed = [os.path.realpath(folder) for folder in adapter_dirs]
 
     async def get_info(body: bytes) -> tuple[bytes, str]:
-        return _answer({**info, "adapters": _adapter_paths(lm)})
+        return _answer({**info, **_adapters(lm)})
 
     async def get_stats(body: bytes) -> tuple[bytes, str]:
         return _answer({"lm": asdict(lm.stats), "server": server_stats()})
@@ -60,7 +60,7 @@ def model_routes(
             await asyncio.to_thread(lm.remove_lora, name)
         else:
             raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
-        return _answer({"adapters": _adapter_paths(lm)})
+        return _answer(_adapters(lm))
 
     async def post_clear(body: bytes) -> tuple[bytes, str]:
         what = protocol.unpack(body).get("what")
@@ -81,8 +81,13 @@ def _answer(fields: dict) -> tuple[bytes, str]:
     return protocol.pack(fields), protocol.MSGPACK_CONTENT_TYPE
 
 
-def _adapter_paths(lm: AsyncLM) -> dict[str, str]:
-    return {name: adapter.path for name, adapter in lm.adapters.registered().items()}
+def _adapters(lm: AsyncLM) -> dict[str, dict]:
+    """Each adapter's folder, and its registration (which a client names in its requests)."""
+    registered = lm.adapters.registered()
+    return {
+        "adapters": {name: adapter.path for name, adapter in registered.items()},
+        "adapter_versions": {name: adapter.version for name, adapter in registered.items()},
+    }
 
 
 def _allowed_path(path: str, allowed: Sequence[str]) -> str:

@@ -104,6 +104,7 @@ class RemoteLM(AsyncLM):
         )
         for name, path in info["adapters"].items():
             self.adapters.record(self.adapters.new_version(path, name))
+        runner.server_versions.update(info.get("adapter_versions", {}))
         # A step waits on the server's socket: it runs in a worker thread, and the
         # event loop stays free meanwhile.
         self.engine.compute_in_loop = False

@@ -111,6 +111,9 @@ class LogprobsRequest:
     client: str | None = None
     session: str | None = None
     slab_row: int = 0
+    lora_versions: list[int | None] | None = None
+    """The server's registration of each named adapter that the client knows (``None``:
+    the client sent none, an older client): a request is answered under that one only."""
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,11 @@ def encode_logprobs_request(
     client: str | None = None,
     session: str | None = None,
     slab_row: int = 0,
+    lora_versions: Sequence[int | None] | None = None,
 ) -> bytes:
     """The body of a ``/v1/logprobs`` request: each context's tokens past those it shares
-    with the context before it, as ``int32`` little-endian bytes.
+    with the context before it, as ``int32`` little-endian bytes; ``lora_versions``: the
+    server's registration of each context's adapter, as the client learned it.
 
     Raises:
         ValueError: a token id that is not an int of 32 bits.
@@ -189,6 +194,8 @@ def encode_logprobs_request(
         fields["session"] = session
     if slab_row:
         fields["slab_row"] = slab_row
+    if lora_versions is not None:
+        fields["lora_versions"] = list(lora_versions)
     return pack(fields)
 
 
@@ -257,6 +264,15 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
         raise ValueError("malformed request body: 'lora_names' must have one entry per context")
     if not all(name is None or isinstance(name, str) for name in lora_names):
         raise ValueError("malformed request body: each lora name must be a str or nil")
+    lora_versions = fields.get("lora_versions")
+    if lora_versions is not None and not (
+        isinstance(lora_versions, list)
+        and len(lora_versions) == len(lengths)
+        and all(v is None or (is_int(v) and v >= 0) for v in lora_versions)
+    ):
+        raise ValueError(
+            "malformed request body: 'lora_versions' must hold an int >= 0 or nil per context"
+        )
     if not isinstance(uncached, bool) or (uncached and len(lengths) != 1):
         raise ValueError("malformed request body: 'uncached' is a bool, for one context")
     client, session = fields.get("client"), fields.get("session")
@@ -299,7 +315,7 @@ def decode_logprobs_request(body: bytes, limits: ServeLimits) -> LogprobsRequest
         previous = prefix + tuple(new_ids[start:end])
         contexts.append(previous)
         start = end
-    return LogprobsRequest(contexts, lora_names, uncached, client, session, slab_row)
+    return LogprobsRequest(contexts, lora_names, uncached, client, session, slab_row, lora_versions)
 
 
 def encode_slab_offer(client: str, name: str, nonce: bytes, capacity_rows: int) -> bytes:

@@ -83,6 +83,10 @@ class RemoteRunner:
         """Rows returned as views of the slab (no copy on this side)."""
         self._num_tokens_sent = 0
         self._slab: ClientSlab | None = None
+        self.server_versions: dict[str, int] = {}
+        """The server's registration of each adapter name, as this client registered or
+        found it: requests name it, so that another client's registration is refused,
+        never answered."""
         self.shared_memory_refusal: str | None = None if shared_memory else "shared_memory=False"
         """Why rows travel in answer bodies (``None``: through shared memory, once a batch offered it)."""
 
@@ -139,6 +143,7 @@ class RemoteRunner:
     def _logprobs(self, requests: Sequence[Request], uncached: bool) -> torch.Tensor:
         contexts = [request.context for request in requests]
         names = [None if r.adapter is None else r.adapter.name for r in requests]
+        versions = [None if name is None else self.server_versions.get(name) for name in names]
         num_rows = len(requests)
         slab = self._slab_for(num_rows)
         first_row = 0 if slab is None else slab.region(num_rows)
@@ -149,6 +154,7 @@ class RemoteRunner:
             client=self.client_id,
             session=None if slab is None else slab.session,
             slab_row=first_row,
+            lora_versions=versions,
         )
         try:
             content_type, data = self._exchange(slab, body)
@@ -234,10 +240,13 @@ class RemoteRunner:
             slab.close()
 
     def load_adapter(self, adapter: Adapter) -> None:
-        self._call("POST", "/v1/lora", protocol.pack({"op": "add", **_adapter_fields(adapter)}))
+        body = protocol.pack({"op": "add", **_adapter_fields(adapter)})
+        answer = protocol.unpack(self._call("POST", "/v1/lora", body).data)
+        self.server_versions[adapter.name] = answer["adapter_versions"][adapter.name]
 
     def unload_adapter(self, adapter: Adapter) -> None:
         self._call("POST", "/v1/lora", protocol.pack({"op": "remove", "name": adapter.name}))
+        self.server_versions.pop(adapter.name, None)
 
     def clear(self) -> None:
         """Drop the server's keys/values and cached rows (every client's: only speed changes)."""
