@@ -96,6 +96,22 @@ class ServerProcess:
             f"no line matching {pattern!r} in {timeout_s} s; output:\n{self.output}"
         )
 
+    def wait_for_count(self, pattern: str, count: int, timeout_s: float = LINE_TIMEOUT_S) -> None:
+        """Wait until ``count`` lines (since the start) match ``pattern``; fails after ``timeout_s``."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while sum(1 for line in self.lines if regex.search(line)) < count:
+            try:
+                line = self._new_lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"fewer than {count} lines matching {pattern!r} in {timeout_s} s; "
+                    f"output:\n{self.output}"
+                ) from None
+            if line is None:
+                raise AssertionError(f"process ended before {count} x {pattern!r}:\n{self.output}")
+            self.lines.append(line)
+
     def wait_listening(self) -> None:
         match = self.wait_for(r"listening on (http://\S+)", START_TIMEOUT_S)
         self.url = match.group(1)
