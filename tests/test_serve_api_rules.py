@@ -102,3 +102,24 @@ def test_an_endpoint_s_failure_is_answered_without_its_text_and_logged():
         request_to(app, "POST", "/v1/lora", protocol.pack({"op": "add", "name": "a", "path": "a"}))
     assert reject.value.kind == "Forbidden" and "--adapter-dir" in str(reject.value)
     assert protocol.ERROR_STATUS["Forbidden"] == 403
+
+
+def lora_by(routes, client: str, op: str, name: str, path: str = "") -> dict:
+    body = protocol.pack({"op": op, "name": name, "path": path, "client": client})
+    answer, _ = asyncio.run(routes[("POST", "/v1/lora")](body))
+    return protocol.unpack(answer)
+
+
+def test_without_a_token_a_client_removes_only_the_adapters_it_registered(tmp_path):
+    lm = MockAsyncLM(byte_vocab=BYTES)
+    lm.add_new_lora(str(tmp_path), "at-start")  # the server's own (no client registered it)
+    routes = routes_for(lm, tmp_path)
+    lora_by(routes, "alice", "add", "x", ".")
+    for client, name in (("bob", "x"), ("bob", "at-start"), ("alice", "at-start")):
+        with pytest.raises(PermissionError, match="registered by another client"):
+            lora_by(routes, client, "remove", name)
+    assert set(lm.adapters.registered()) == {"x", "at-start"}
+    assert lora_by(routes, "alice", "remove", "x")["adapters"] == {"at-start": str(tmp_path)}
+    with_token = model_routes(lm, {}, dict, [str(tmp_path)], log=lambda line: None, has_token=True)
+    lora_by(with_token, "bob", "remove", "at-start")  # every client holds the token
+    assert lm.adapters.registered() == {}

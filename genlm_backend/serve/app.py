@@ -100,7 +100,12 @@ class ServeApp:
         self._num_logprobs_in_flight = 0
         self._counts = dict.fromkeys(("requests", "rows", "rejected", "cancelled", "shutdown"), 0)
         self._routes = model_routes(
-            lm, self.info, lambda: asdict(self.stats), adapter_dirs, log=log
+            lm,
+            self.info,
+            lambda: asdict(self.stats),
+            adapter_dirs,
+            log=log,
+            has_token=token is not None,
         )
 
     @property

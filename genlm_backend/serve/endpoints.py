@@ -7,7 +7,8 @@ Adapters load over the API only from the folders the server was started with
 (``--adapter-dir``; none by default): a path outside them, or a hub id, is
 refused with ``PermissionError``. A load that fails is answered without its
 exception's text, which could tell a client what exists on the server; the
-server's log has it.
+server's log has it. On a server without a token, a client may remove only the
+adapters it registered (with a token, every client holds it and may remove any).
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ def model_routes(
     server_stats: Callable[[], dict],
     adapter_dirs: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    has_token: bool = False,
 ) -> dict[tuple[str, str], Handler]:
     """``(method, path) -> handler`` for ``/v1/info``, ``/v1/stats``, ``/v1/lora`` and ``/v1/clear``.
 
-    ``adapter_dirs``: the folders adapters may be loaded from over the API.
+    ``adapter_dirs``: the folders adapters may be loaded from over the API;
+    ``has_token``: every request carries the server's token (any client may then
+    remove any adapter).
     """
     allowed = [os.path.realpath(folder) for folder in adapter_dirs]
+    owners: dict[str, str | None] = {}  # adapter name -> the client that registered it
 
     async def get_info(body: bytes) -> tuple[bytes, str]:
         return _answer({**info, **_adapters(lm)})
@@ -45,8 +50,11 @@ def model_routes(
     async def post_lora(body: bytes) -> tuple[bytes, str]:
         fields = protocol.unpack(body)
         op, name, path = fields.get("op"), fields.get("name"), fields.get("path", "")
+        client = fields.get("client")
         if not (isinstance(name, str) and isinstance(path, str)):
             raise ValueError("malformed request body: 'name' and 'path' must be strings")
+        if client is not None and not isinstance(client, str):
+            raise ValueError("malformed request body: 'client' must be a string")
         if op == "add":
             local = _allowed_path(path, allowed)
             try:
@@ -56,8 +64,17 @@ def model_routes(
                 raise ValueError(
                     f"adapter {name!r} could not be loaded from {path!r} (the server's log says why)"
                 ) from None
+            owners[name] = client
         elif op == "remove":
+            if not has_token and name in lm.adapters.registered():
+                owner = owners.get(name)
+                if owner is None or owner != client:
+                    raise PermissionError(
+                        f"adapter {name!r} was registered by another client (or at start); on a "
+                        "server without a token a client removes only its own"
+                    )
             await asyncio.to_thread(lm.remove_lora, name)
+            owners.pop(name, None)
         else:
             raise ValueError(f"malformed request body: 'op' must be 'add' or 'remove', got {op!r}")
         return _answer(_adapters(lm))

@@ -240,12 +240,13 @@ class RemoteRunner:
             slab.close()
 
     def load_adapter(self, adapter: Adapter) -> None:
-        body = protocol.pack({"op": "add", **_adapter_fields(adapter)})
+        body = protocol.pack({"op": "add", "client": self.client_id, **_adapter_fields(adapter)})
         answer = protocol.unpack(self._call("POST", "/v1/lora", body).data)
         self.server_versions[adapter.name] = answer["adapter_versions"][adapter.name]
 
     def unload_adapter(self, adapter: Adapter) -> None:
-        self._call("POST", "/v1/lora", protocol.pack({"op": "remove", "name": adapter.name}))
+        body = protocol.pack({"op": "remove", "client": self.client_id, "name": adapter.name})
+        self._call("POST", "/v1/lora", body)
         self.server_versions.pop(adapter.name, None)
 
     def clear(self) -> None:
