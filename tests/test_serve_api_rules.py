@@ -76,8 +76,13 @@ def test_a_failed_load_answers_without_the_exception_s_text(tmp_path):
     assert any("adapter_config.json: no such file" in line for line in lines)  # the log has it
 
 
-def request_to(app: ServeApp, method: str, path: str, body: bytes) -> tuple[bytes, str]:
-    scope = {"method": method, "path": path, "headers": [], "type": "http"}
+def request_to(
+    app: ServeApp, method: str, path: str, body: bytes, token: str | None = None
+) -> tuple[bytes, str]:
+    headers = (
+        [] if token is None else [(protocol.TOKEN_HEADER.encode(), f"Bearer {token}".encode())]
+    )
+    scope = {"method": method, "path": path, "headers": headers, "type": "http"}
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -88,19 +93,33 @@ def request_to(app: ServeApp, method: str, path: str, body: bytes) -> tuple[byte
 def test_an_endpoint_s_failure_is_answered_without_its_text_and_logged():
     lines = []
     lm = MockAsyncLM(byte_vocab=BYTES)
-    app = ServeApp(lm, ServeLimits(), log=lines.append)
+    app = ServeApp(lm, ServeLimits(), token="t", log=lines.append)
 
     def fail():
         raise OSError(f"cannot write {os.sep}srv{os.sep}secret")
 
     lm.clear_cache = fail  # type: ignore[method-assign]
     with pytest.raises(Reject) as reject:
-        request_to(app, "POST", "/v1/clear", protocol.pack({"what": "all"}))
+        request_to(app, "POST", "/v1/clear", protocol.pack({"what": "all"}), token="t")
     assert reject.value.kind == "ModelError" and "secret" not in str(reject.value)
     assert any("secret" in line for line in lines)
     with pytest.raises(Reject) as reject:
-        request_to(app, "POST", "/v1/lora", protocol.pack({"op": "add", "name": "a", "path": "a"}))
+        body = protocol.pack({"op": "add", "name": "a", "path": "a"})
+        request_to(app, "POST", "/v1/lora", body, token="t")
     assert reject.value.kind == "Forbidden" and "--adapter-dir" in str(reject.value)
+
+
+def test_without_a_token_no_client_clears_the_server_s_caches():
+    lm = MockAsyncLM(byte_vocab=BYTES)
+    lm.next_token_logprobs_sync([1, 2])
+    app = ServeApp(lm, ServeLimits(), log=lambda line: None)
+    with pytest.raises(Reject) as reject:
+        request_to(app, "POST", "/v1/clear", protocol.pack({"what": "all"}))
+    assert reject.value.kind == "Forbidden" and "needs a server with a token" in str(reject.value)
+    assert lm.stats.output_cache_bytes > 0  # nothing was cleared
+    with_token = ServeApp(lm, ServeLimits(), token="t", log=lambda line: None)
+    request_to(with_token, "POST", "/v1/clear", protocol.pack({"what": "all"}), token="t")
+    assert lm.stats.output_cache_bytes == 0
     assert protocol.ERROR_STATUS["Forbidden"] == 403
 
 

@@ -8,7 +8,8 @@ Adapters load over the API only from the folders the server was started with
 refused with ``PermissionError``. A load that fails is answered without its
 exception's text, which could tell a client what exists on the server; the
 server's log has it. On a server without a token, a client may remove only the
-adapters it registered (with a token, every client holds it and may remove any).
+adapters it registered, and no client may clear the server's caches (with a
+token, every client holds it and may do both).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def model_routes(
         return _answer(_adapters(lm))
 
     async def post_clear(body: bytes) -> tuple[bytes, str]:
+        if not has_token:  # the caches are every client's: only the token's holders clear them
+            raise PermissionError(
+                "clearing the server's caches needs a server with a token (--token-file); "
+                "a client's own cache clears without it"
+            )
         what = protocol.unpack(body).get("what")
         if what not in ("all", "kv"):
             raise ValueError(f"malformed request body: 'what' must be 'all' or 'kv', got {what!r}")

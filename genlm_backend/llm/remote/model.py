@@ -129,7 +129,8 @@ class RemoteLM(AsyncLM):
         return LMStats(**fields["lm"]), ServeStats(**fields["server"])
 
     def clear_kv_cache(self) -> None:
-        """Drop the server's retained keys/values (results in both output caches stay)."""
+        """Drop the server's retained keys/values (results in both output caches stay); a
+        server without a token keeps them (its caches are every client's)."""
         with self.engine.lock:
             self.runner.clear_server("kv")
 

@@ -250,11 +250,19 @@ class RemoteRunner:
         self.server_versions.pop(adapter.name, None)
 
     def clear(self) -> None:
-        """Drop the server's keys/values and cached rows (every client's: only speed changes)."""
+        """Drop the server's keys/values and cached rows (every client's: only speed changes),
+        where the server lets this client (see :meth:`clear_server`)."""
         self.clear_server("all")
 
-    def clear_server(self, what: str) -> None:
-        self._call("POST", "/v1/clear", protocol.pack({"what": what}))
+    def clear_server(self, what: str) -> bool:
+        """Ask the server to drop its caches (``"all"``) or its keys/values (``"kv"``); whether
+        it did. A server without a token clears for no client: clearing changes only speed,
+        so its refusal is not an error."""
+        try:
+            self._call("POST", "/v1/clear", protocol.pack({"what": what}))
+        except PermissionError:
+            return False
+        return True
 
     def server_stats(self) -> dict:
         return protocol.unpack(self._call("GET", "/v1/stats").data)
