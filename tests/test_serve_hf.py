@@ -55,3 +55,59 @@ def test_rows_through_the_server_are_the_in_process_bytes(model_dir):
     finally:
         local.close()
         server.stop()
+
+
+def save_lora(model_dir, folder, seed: int) -> str:
+    """A peft LoRA of the tiny GPT-2 with non-zero weights (so it changes the rows), saved."""
+    from transformers import AutoModelForCausalLM
+
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_two_clients_registering_one_adapter_name_never_get_each_other_s_rows(model_dir, tmp_path):
+    """B registers "x" from one folder, A from another: B's next request under "x" is
+    refused (never answered with A's weights); each client's rows are its own
+    adapter's, as peft computes them from the folder."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_reference import ATOL, Reference
+
+    adapters = tmp_path / "adapters"
+    first = save_lora(model_dir, adapters / "first", seed=1)
+    second = save_lora(model_dir, adapters / "second", seed=2)
+    reference = Reference(AutoModelForCausalLM.from_pretrained(model_dir), 50257)
+    server = ServerProcess.cli(
+        "--backend", "hf", "--model", str(model_dir), "--port", "0", "--adapter-dir", str(adapters)
+    )
+    try:
+        with RemoteLM(server.url) as b, RemoteLM(server.url) as a:
+            context = b.tokenizer.encode("Whose weights answer")
+            b.add_new_lora("first", "x")
+            row = b.next_token_logprobs_sync(context, "x")
+            torch.testing.assert_close(row, reference.row(context, first), atol=ATOL, rtol=0)
+            a.add_new_lora("second", "x")
+            with pytest.raises(ValueError, match=r"'x' was registered again"):
+                b.next_token_logprobs_sync(context + [11], "x")
+            row = a.next_token_logprobs_sync(context + [11], "x")
+            torch.testing.assert_close(
+                row, reference.row(context + [11], second), atol=ATOL, rtol=0
+            )
+            b.add_new_lora("first", "x")  # B takes it back
+            row = b.next_token_logprobs_sync(context + [12], "x")
+            torch.testing.assert_close(row, reference.row(context + [12], first), atol=ATOL, rtol=0)
+            a.remove_lora("x")  # A's registration was replaced by B's: B's stays
+            row = b.next_token_logprobs_sync(context + [13], "x")
+            torch.testing.assert_close(row, reference.row(context + [13], first), atol=ATOL, rtol=0)
+    finally:
+        server.stop()

@@ -67,7 +67,11 @@ def model_routes(
                 ) from None
             owners[name] = client
         elif op == "remove":
-            if not has_token and name in lm.adapters.registered():
+            current = lm.adapters.registered().get(name)
+            version = fields.get("version")
+            if current is not None and version is not None and current.version != version:
+                return _answer(_adapters(lm))  # the caller's registration was replaced: gone
+            if not has_token and current is not None:
                 owner = owners.get(name)
                 if owner is None or owner != client:
                     raise PermissionError(

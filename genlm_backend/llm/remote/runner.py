@@ -245,9 +245,14 @@ class RemoteRunner:
         self.server_versions[adapter.name] = answer["adapter_versions"][adapter.name]
 
     def unload_adapter(self, adapter: Adapter) -> None:
-        body = protocol.pack({"op": "remove", "client": self.client_id, "name": adapter.name})
-        self._call("POST", "/v1/lora", body)
-        self.server_versions.pop(adapter.name, None)
+        version = self.server_versions.pop(adapter.name, None)  # None: one it found at connection
+        fields = {
+            "op": "remove",
+            "client": self.client_id,
+            "name": adapter.name,
+            "version": version,
+        }
+        self._call("POST", "/v1/lora", protocol.pack(fields))
 
     def clear(self) -> None:
         """Drop the server's keys/values and cached rows (every client's: only speed changes),
