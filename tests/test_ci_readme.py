@@ -133,36 +133,10 @@ def test_the_step_budgets_fit_in_thirty_minutes():
     assert first + longest_lane <= 30 * 60
 
 
-def test_tests_run_once_touch_neither_transformers_nor_a_tokenizer():
-    """The vLLM step skips the test files of ``.ci/version_free_tests.txt`` (the README
-    step runs them): none of them, nor a module of the package that importing it runs,
-    imports transformers, a tokenizer library, peft or vLLM; none names a tokenizer, a
-    model loader or a fixture holding a real asset."""
-    from tests.conftest import ASSET_FIXTURES
-    from tests.import_graph import (
-        imported_modules,
-        module_path,
-        package_imports,
-        third_party_imports,
-    )
-
-    version_dependent = {"transformers", "tokenizers", "peft", "vllm", "sentencepiece"}
-    named = re.compile(
-        "|".join([*ASSET_FIXTURES, "tokenizer", "from_name", "load_model_by_name", "decode_vocab"])
-    )
-    imports = package_imports(at_import_only=True)
-    listed = (ROOT / ".ci" / "version_free_tests.txt").read_text().split()
-    assert listed
-    for name in listed:
-        path = ROOT / name
-        assert not named.search(path.read_text(encoding="utf-8")), name
-        assert not third_party_imports(path) & version_dependent, name
-        reached, todo = set(), list(imported_modules(path, set(imports)))
-        while todo:
-            module = todo.pop()
-            if module not in reached:
-                reached.add(module)
-                todo.extend(imports[module])
-        for module in reached:
-            used = third_party_imports(module_path(module), at_import_only=True)
-            assert not used & version_dependent, (name, module)
+def test_the_vllm_step_reruns_test_files_that_exist():
+    """The vLLM step reruns a list of test files at the lowest transformers: each exists."""
+    script = (ROOT / ".ci" / "vllm.sh").read_text()
+    named = re.findall(r"tests/[\w/]+\.py", script)
+    assert len(named) >= 10
+    for name in named:
+        assert (ROOT / name).is_file(), name
