@@ -61,12 +61,17 @@ class LevelPolicy:
     ``enabled=False`` copies everything: the layout for models whose
     attention cannot be split (see
     :func:`~genlm_backend.llm.hf.compat.shared_levels_unsupported`).
+    ``block_tokens``: levels only span whole key blocks of that many tokens at
+    fixed positions (``0, b, 2b, ...``), the rest of a cached piece is copied:
+    the layout of exact attention (:mod:`~genlm_backend.llm.hf.exact`), whose
+    blocks must not depend on where the tree holds a key.
     """
 
     enabled: bool = True
     min_shared_tokens: int = 128
     min_unshared_tokens: int = 512
     min_prefill_tokens: int = 32
+    block_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,12 @@ class RowPlan:
     reused: int
     levels: tuple[Piece, ...]
     own: tuple[Piece, ...]
-    """Pieces covering ``context[split:reused]``, copied into the pass's block."""
+    """Pieces covering ``context[split:reused]``, copied into the pass's block (the first one
+    from its slot ``own_start``)."""
     reads: tuple[tuple[int, int], ...]
     """``(output index, new-token position)``: the batch rows this row's logits give."""
+    own_start: int = 0
+    """Slots of the first own piece that precede ``split`` (a piece cut at a level's end)."""
 
     @property
     def num_new(self) -> int:
@@ -218,7 +226,10 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
         rows = tuple(_in_place_row(lookup, found) for lookup, found in hosts)
         first = hosts[0][0].entry
         assert first is not None  # an extendable block is some row's entry's
-        return PassPlan(rows, first.start + first.length, 1, block)
+        if policy.block_tokens is None or all(
+            levels_aligned(row.levels, policy.block_tokens) for row in rows
+        ):
+            return PassPlan(rows, first.start + first.length, 1, block)
     rows = _copied_rows(hosts, policy)
     return PassPlan(rows, max(row.num_own_past for row in rows), num_new, None)
 
@@ -246,9 +257,39 @@ def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, .
                 shared = readers[id(entry), n] > 1
                 if n >= (policy.min_shared_tokens if shared else policy.min_unshared_tokens):
                     num_levels = i + 1
-        levels, own = tuple(chain[:num_levels]), tuple(chain[num_levels:])
-        rows.append(RowPlan(lookup.context, lookup.reused, levels, own, found))
+        if policy.block_tokens is None:
+            levels, own, own_start = tuple(chain[:num_levels]), tuple(chain[num_levels:]), 0
+        else:
+            levels, own, own_start = _block_aligned(chain, num_levels, policy.block_tokens)
+        rows.append(RowPlan(lookup.context, lookup.reused, levels, own, found, own_start))
     return tuple(rows)
+
+
+def _block_aligned(
+    chain: list[Piece], num_levels: int, block_tokens: int
+) -> tuple[tuple[Piece, ...], tuple[Piece, ...], int]:
+    """``(levels, own, own_start)`` for a chain whose first ``num_levels`` pieces could be levels,
+    each level starting and ending at a multiple of ``block_tokens``."""
+    levels: list[Piece] = []
+    for entry, n in chain[:num_levels]:
+        if entry.offset % block_tokens:
+            break
+        end = entry.offset + n
+        cut = end - end % block_tokens
+        if cut > entry.offset:
+            levels.append((entry, cut - entry.offset))
+        if cut < end:
+            break
+    split = sum(n for _, n in levels)
+    for k, (entry, n) in enumerate(chain):
+        if entry.offset <= split < entry.offset + n:
+            return tuple(levels), tuple(chain[k:]), split - entry.offset
+    return tuple(levels), (), 0
+
+
+def levels_aligned(levels: Sequence[Piece], block_tokens: int) -> bool:
+    """Whether every level starts and ends at a multiple of ``block_tokens``."""
+    return all(entry.offset % block_tokens == 0 and n % block_tokens == 0 for entry, n in levels)
 
 
 def shared_uncached_prefixes(
@@ -289,9 +330,13 @@ def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
     copies = []
     for i, row in enumerate(plan.rows):
         target = plan.num_past - row.num_own_past
+        skip = row.own_start
         for entry, n in row.own:
-            copies.append((i, target, Segment(entry.block, entry.row, entry.start, n)))
-            target += n
+            copies.append(
+                (i, target, Segment(entry.block, entry.row, entry.start + skip, n - skip))
+            )
+            target += n - skip
+            skip = 0
     return copies
 
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from genlm_backend.llm.hf.attention import Cascade, cascade_attention
+from genlm_backend.llm.hf.exact import ExactLayout, exact_attention
 from genlm_backend.llm.runner import Adapter
 
 SUPPORTED_TRANSFORMERS = (5, 6)
@@ -72,7 +73,7 @@ def head_sees_only(model, reads: tuple[torch.Tensor, torch.Tensor] | None):
         hidden = args[0]  # [B, K, H] -> [N, 1, H]
         return (hidden[rows, positions][:, None], *args[1:])
 
-    handle = head.register_forward_pre_hook(gather)
+    handle = head.register_forward_pre_hook(gather, prepend=True)  # before any padding
     try:
         yield
     finally:
@@ -134,14 +135,24 @@ def _genlm_attention(
     is_causal=None,
     genlm_cascade: Cascade | None = None,
     genlm_causal=False,
+    genlm_exact: ExactLayout | None = None,
     **kwargs,
 ):
     """The runner's attention function: :func:`~genlm_backend.llm.hf.attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
 
     ``genlm_cascade`` (the pass's levels) and ``genlm_causal`` (the mask is plain causal over
     every key) reach it as keywords of the model's forward call, which
-    transformers hands to every attention function.
+    transformers hands to every attention function. ``genlm_exact`` (the pass's
+    :class:`~genlm_backend.llm.hf.exact.ExactLayout`) asks for :func:`~genlm_backend.llm.hf.exact.exact_attention`.
     """
+    if genlm_exact is not None:
+        unsupported = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
+        if unsupported or dropout:
+            raise NotImplementedError(
+                f"exact attention cannot serve this model's attention arguments {unsupported}"
+            )
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return exact_attention(module.layer_idx, query, key, value, scale, genlm_exact), None
     if (
         genlm_causal
         and not dropout

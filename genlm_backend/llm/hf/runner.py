@@ -19,6 +19,7 @@ is not cached yet get that prefix computed once first.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Hashable, Sequence
 
@@ -39,6 +40,7 @@ from genlm_backend.llm.hf.compat import (
     max_positions,
     shared_levels_unsupported,
 )
+from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout, PaddedMatmuls
 from genlm_backend.llm.hf.graphs import StepGraphs
 from genlm_backend.llm.runner import (
     Adapter,
@@ -61,12 +63,16 @@ class HFRunner:
         kv_tree: Where keys/values are looked up and left.
         vocab_size: Columns of the output (the tokenizer's vocabulary): extra
             logit columns are dropped, missing ones are ``-inf``.
+        deterministic: Every row has the bits of its context computed alone
+            from an empty cache, whatever shares its pass and whatever the tree
+            holds (:mod:`~genlm_backend.llm.hf.exact`).
 
     Raises:
         ImportError: the installed transformers is not a supported version.
+        ValueError: ``deterministic`` for a model whose attention the runner cannot compute itself.
     """
 
-    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int):
+    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, deterministic: bool = False):
         check_transformers_version()
         self.adapters = PeftAdapters(model)
         self.kv_tree = kv_tree
@@ -76,13 +82,28 @@ class HFRunner:
         self._static_cache = StaticCaches(model.config)
         self.levels_unsupported = shared_levels_unsupported(model)
         """Why shared prefixes are copied per row for this model (``None``: they are read once)."""
-        self.level_policy = LevelPolicy(enabled=self.levels_unsupported is None)
+        self.deterministic = deterministic
+        self._padded_matmuls: PaddedMatmuls | None = None
+        if deterministic:
+            if self.levels_unsupported is not None:
+                raise ValueError(
+                    f"deterministic=True needs attention the runner computes itself; this model's "
+                    f"cannot be: {self.levels_unsupported}"
+                )
+            self._padded_matmuls = PaddedMatmuls()
+            self._padded_matmuls.attach(model)
+        self.level_policy = LevelPolicy(
+            enabled=self.levels_unsupported is None,
+            block_tokens=BLOCK_TOKENS if deterministic else None,
+        )
         self.graphs = StepGraphs(
             lambda: self.model, self._static_cache, kv_tree, vocab_size, self._max_positions
         )
         """One-token steps captured as graphs (on CUDA), the rest eager: see :mod:`~genlm_backend.llm.hf.graphs`."""
         if self.levels_unsupported is not None:
             self.graphs.unsupported = f"shared levels unsupported: {self.levels_unsupported}"
+        elif deterministic:
+            self.graphs.unsupported = "deterministic rows are computed eagerly"
 
     @property
     def model(self):
@@ -221,6 +242,8 @@ class HFRunner:
     def load_adapter(self, adapter: Adapter) -> None:
         self.graphs.clear()  # captured under the model as it was
         self.adapters.load(adapter)
+        if self._padded_matmuls is not None:
+            self._padded_matmuls.attach(self.model)  # the adapter's projections
 
     def unload_adapter(self, adapter: Adapter) -> None:
         self.graphs.clear()
@@ -333,9 +356,21 @@ class HFRunner:
             and block.num_slots == plan.num_new
             and all(row.num_new == plan.num_new for row in plan.rows)
         )
+        if self.deterministic:
+            num_groups = self.model.config.get_text_config(decoder=True).num_attention_heads
+            num_groups //= kv_shape(self.model.config)[0]
+            attention = {"genlm_exact": ExactLayout.of(plan, levels, num_groups, self.device)}
+        elif levels:
+            attention = {"genlm_cascade": Cascade(levels)}
+        else:
+            attention = {"genlm_causal": True} if is_causal else {}
         # A one-token step reads each row's only position; a longer pass, the positions of its reads.
         reads = self._read_positions(plan) if plan.num_new > 1 else None
-        with grouped_kv_attention(self.model), head_sees_only(self.model, reads):
+        with (
+            grouped_kv_attention(self.model),
+            head_sees_only(self.model, reads),
+            self._exact_products(),
+        ):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -343,8 +378,7 @@ class HFRunner:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=plan.num_new,
-                **({"genlm_cascade": Cascade(levels)} if levels else {}),
-                **({"genlm_causal": True} if is_causal else {}),
+                **attention,
             )
         # logits: [N, 1, V_model] per read, [B, 1, V_model] for one-token steps,
         # or [B, num_new, V_model] for a head the hook cannot reach
@@ -354,6 +388,19 @@ class HFRunner:
             logits = output.logits[reads]
         self.num_tokens_computed += sum(row.num_new for row in plan.rows)
         return fit_to_vocab(logits, self.vocab_size), block
+
+    @contextlib.contextmanager
+    def _exact_products(self):
+        """While active, with ``deterministic``, projections compute at least 16 rows."""
+        padded = self._padded_matmuls
+        if padded is None:
+            yield
+            return
+        padded.active = True
+        try:
+            yield
+        finally:
+            padded.active = False
 
     def _read_positions(self, plan: PassPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, positions)`` of ``plan.reads`` as index tensors on the model's device."""

@@ -1,0 +1,262 @@
+"""Exact rows: a context's row has the same bits whatever shares its pass and whatever the cache holds.
+
+Two things make a row depend on its neighbours in a plain forward pass:
+
+* **Matrix products of few rows.** torch's CPU products give a row other
+  bits when the product has fewer than a few rows (measured on torch 2.13:
+  1 to 3 rows, and 7 on two threads) than in any product of 16 rows or more,
+  where a row's bits depend neither on the other rows nor on its position.
+  :class:`PaddedMatmuls` pads every projection's input to 16 rows.
+* **Attention's reduction order.** A fused kernel splits the keys into
+  blocks whose size depends on the number of keys and queries, and the
+  runner's cascade merges a cached prefix with the rest at the prefix's
+  end. :func:`exact_attention` splits every query's keys at fixed positions
+  (``0, b, 2b, ...``, ``b = BLOCK_TOKENS``), computes each block with the
+  same products (16 query rows or more, ``b`` keys, masked keys weighing an
+  exact zero), and merges the blocks in position order. A block is computed
+  from wherever the tree holds its keys: a level held once for many rows (the
+  planner's levels start and end at block boundaries: ``LevelPolicy.block_tokens``),
+  or the row's own part.
+
+Everything else a decoder layer does is per row: embeddings, norms, rotary
+embeddings, activations, the log-softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from genlm_backend.cache import plan as planner
+from genlm_backend.cache.plan import PassPlan
+from genlm_backend.llm.hf.attention import Level
+
+BLOCK_TOKENS = 64
+"""Keys per attention block."""
+
+MIN_ROWS = 16
+"""Rows a matrix product is padded to: from 16 rows on, a row's bits do not depend on the others."""
+
+
+def pad_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """``x`` with zero rows appended along ``dim`` up to :data:`MIN_ROWS` (``x`` itself when it has as many)."""
+    num_rows = x.shape[dim]
+    if num_rows >= MIN_ROWS:
+        return x
+    shape = list(x.shape)
+    shape[dim] = MIN_ROWS - num_rows
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+@dataclass(frozen=True)
+class ExactLayout:
+    """Where each row's keys are, by fixed block, for one forward pass; made once, read by every layer.
+
+    ``own_index[i, j]``: the slot in the pass's block of row ``i``'s own key
+    ``j`` (its ``j``-th key after its levels), for ``NBo * b`` keys
+    (padding points at the row's first slot and is masked).
+    ``own_bias``: ``[B, 1, NBo, M, b]`` float32, ``0`` where query ``m`` (grouped
+    heads, then new positions) sees the key, ``-inf`` where it does not.
+    ``own_blocks``: ``[B, 1, 1, NBo]``, the position-order block index of
+    each row's own blocks. ``levels``: each level with its first block.
+    """
+
+    own_index: torch.Tensor
+    own_bias: torch.Tensor
+    own_blocks: torch.Tensor
+    num_blocks: int
+    levels: tuple[tuple[Level, int], ...]
+
+    @classmethod
+    def of(
+        cls, plan: PassPlan, levels: Sequence[Level], num_groups: int, device: torch.device
+    ) -> ExactLayout:
+        b = BLOCK_TOKENS
+        num_new = plan.num_new
+        starts = planner.row_starts(plan)
+        splits = [row.split for row in plan.rows]
+        own_lengths = [row.num_own_past + row.num_new for row in plan.rows]
+        num_own_blocks = -(-max(own_lengths) // b)
+        keys = torch.arange(num_own_blocks * b)
+        lengths = torch.tensor(own_lengths)[:, None]
+        index = torch.where(keys < lengths, torch.tensor(starts)[:, None] + keys, 0)
+        index = torch.maximum(index, torch.tensor(starts)[:, None])
+        # absolute positions: key j of row i at split_i + j, query t at reused_i + t
+        key_at = torch.tensor(splits)[:, None] + keys  # [B, S]
+        query_at = torch.tensor([row.reused for row in plan.rows])[:, None] + torch.arange(num_new)
+        visible = (keys < lengths)[:, None, :] & (key_at[:, None, :] <= query_at[:, :, None])
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, -torch.inf)
+        # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
+        bias = bias[:, None].expand(-1, num_groups, -1, -1).flatten(1, 2)  # [B, g*L, S]
+        bias = pad_rows(bias, dim=1).unflatten(2, (num_own_blocks, b)).transpose(1, 2)
+        first_blocks = torch.tensor(splits) // b
+        own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
+        placed = []
+        # levels come in the order of planner.level_readers; a level's first key is its entry's offset
+        for level, ((entry, n), _) in zip(levels, planner.level_readers(plan.rows), strict=True):
+            assert entry.offset % b == 0 and n % b == 0, "levels span whole blocks"
+            placed.append((level, entry.offset // b))
+        return cls(
+            own_index=index.to(device),
+            own_bias=bias[:, None].contiguous().to(device),
+            own_blocks=own_blocks[:, None, None, :].to(device),
+            num_blocks=int(own_blocks[:, -1].max()) + 1,
+            levels=tuple(placed),
+        )
+
+
+def _block_partials(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block's max score, sum of weights and weighted values (unnormalized), per query.
+
+    ``queries``: ``[..., 1, M, D]`` (``M >= MIN_ROWS``); ``keys``/``values``:
+    ``[..., nb, b, D]``; ``bias``: broadcastable to ``[..., nb, M, b]``. Returns
+    float32 ``[..., nb, M]``, ``[..., nb, M]``, ``[..., nb, M, D]``. A block
+    with no visible key gives ``-inf, 0, 0``.
+    """
+    scores = (queries @ keys.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    block_max = scores.amax(-1)
+    safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
+    weights = torch.exp(scores - safe_max[..., None])
+    return block_max, weights.sum(-1), (weights.to(values.dtype) @ values).float()
+
+
+def exact_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    layout: ExactLayout,
+) -> torch.Tensor:
+    """Attention whose result for a query depends only on that query and its context's keys.
+
+    Args:
+        layer: Index of the attention layer (which of each level's tensors to read).
+        query: ``[B, Hq, L, D]``.
+        key: The pass's block of keys, ``[B, Hkv, S, D]`` (rows' own parts and new keys).
+        value: Likewise, the values.
+        layout: The pass's :class:`ExactLayout`.
+
+    Returns:
+        ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
+    """
+    num_rows, num_q_heads, num_new, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    num_queries = (
+        num_q_heads // num_kv_heads * num_new
+    )  # per key/value head: grouped, then positions
+    b, num_blocks = BLOCK_TOKENS, layout.num_blocks
+    grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim)
+    padded = pad_rows(grouped)  # [B, Hkv, M, D]
+
+    block_max = torch.full(
+        (num_rows, num_kv_heads, num_queries, num_blocks), -torch.inf, device=query.device
+    )
+    block_sum = torch.zeros_like(block_max)
+    block_out = torch.zeros(
+        (num_rows, num_kv_heads, num_queries, num_blocks, head_dim), device=query.device
+    )
+
+    # the rows' own parts, each gathered from its slots into whole blocks
+    index = layout.own_index[:, None, :, None].expand(-1, num_kv_heads, -1, head_dim)
+    own_keys = key.gather(2, index).unflatten(2, (-1, b))  # [B, Hkv, NBo, b, D]
+    own_values = value.gather(2, index).unflatten(2, (-1, b))
+    m, s, o = _block_partials(padded[:, :, None], own_keys, own_values, scale, layout.own_bias)
+    blocks = layout.own_blocks.expand(-1, num_kv_heads, num_queries, -1)
+    block_max.scatter_(3, blocks, m[:, :, :, :num_queries].transpose(2, 3))
+    block_sum.scatter_(3, blocks, s[:, :, :, :num_queries].transpose(2, 3))
+    out_blocks = blocks[..., None].expand(-1, -1, -1, -1, head_dim)
+    block_out.scatter_(3, out_blocks, o[:, :, :, :num_queries].transpose(2, 3))
+
+    # each level once for all the rows that read it: their queries go in together
+    for level, first in layout.levels:
+        level_keys, level_values = level.keys_values(layer)  # [1, Hkv, n, D]
+        rows = level.rows
+        readers = grouped if rows is None else grouped.index_select(0, rows)
+        num_readers = readers.shape[0]
+        together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
+        m, s, o = _block_partials(
+            together[:, None],
+            level_keys[0].unflatten(1, (-1, b)),
+            level_values[0].unflatten(1, (-1, b)),
+            scale,
+            None,
+        )
+        nb = m.shape[1]
+        # [Hkv, nb, R * M, ...] -> [R, Hkv, M, nb, ...]
+        m = m[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
+        s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
+        o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
+        span = slice(first, first + nb)
+        if rows is None:
+            block_max[..., span] = m.permute(2, 0, 3, 1)
+            block_sum[..., span] = s.permute(2, 0, 3, 1)
+            block_out[..., span, :] = o.permute(2, 0, 3, 1, 4)
+        else:
+            block_max[rows, ..., span] = m.permute(2, 0, 3, 1)
+            block_sum[rows, ..., span] = s.permute(2, 0, 3, 1)
+            block_out[rows, ..., span, :] = o.permute(2, 0, 3, 1, 4)
+
+    # merge in position order: blocks past a query's keys add exact zeros
+    top = block_max.amax(-1, keepdim=True)
+    top = torch.where(top == -torch.inf, 0.0, top)
+    shares = torch.exp(block_max - top)
+    total = (block_sum * shares).cumsum(-1)[..., -1:]
+    out = (block_out * shares[..., None]).cumsum(-2)[..., -1, :]
+    out = out / torch.where(total > 0, total, 1.0)
+    # [B, Hkv, g * L, D] -> [B, L, Hq, D]
+    out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
+    return out.to(query.dtype)
+
+
+class PaddedMatmuls:
+    """While :attr:`active`, every projection of ``model`` (``nn.Linear``, transformers' ``Conv1D``)
+    computes at least :data:`MIN_ROWS` rows: fewer are padded with zeros, the extra outputs dropped.
+
+    The hooks stay on the modules; :meth:`attach` puts them on modules added since (an adapter's).
+    """
+
+    def __init__(self):
+        self.active = False
+        self._hooked: set[int] = set()
+        self._shapes: dict[int, torch.Size] = {}
+
+    def attach(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if id(module) in self._hooked or not _is_projection(module):
+                continue
+            module.register_forward_pre_hook(self._pad)
+            module.register_forward_hook(self._unpad)
+            self._hooked.add(id(module))
+
+    def _pad(self, module, args):
+        if not self.active:
+            return None
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        self._shapes.pop(id(module), None)  # left by a pass that raised
+        if rows.shape[0] >= MIN_ROWS:
+            return None
+        self._shapes[id(module)] = x.shape
+        return (pad_rows(rows), *args[1:])
+
+    def _unpad(self, module, args, output):
+        shape = self._shapes.pop(id(module), None)
+        if shape is None:
+            return None
+        num_rows = shape[:-1].numel()
+        return output[:num_rows].reshape(*shape[:-1], output.shape[-1])
+
+
+def _is_projection(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
