@@ -78,7 +78,8 @@ class AsyncLM:
         runner: What computes batches; a subclass may attach it after construction.
         batch_size: Most distinct contexts per model batch; ``None`` (default):
             no count limit, a batch takes every waiting context within ``max_batch_tokens``.
-        timeout_s: Most seconds a request waits for company before its batch goes.
+        timeout_s: Most seconds a request waits for company before its batch goes
+            (``None``: no limit; batches go when the event loop is idle).
         max_batch_tokens: Most tokens per model batch, as the runner counts them
             (the part of each context it computes); ``None`` for no budget. A
             longer context goes alone.
@@ -102,7 +103,7 @@ class AsyncLM:
         runner: Runner | None = None,
         *,
         batch_size: int | None = None,
-        timeout_s: float = 0.02,
+        timeout_s: float | None = 0.02,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         max_context_length: int | None = None,

@@ -77,7 +77,9 @@ class BatchingConfig:
     * ``max_batch_size`` requests wait;
     * ``flush_on_idle`` is on and a full pass of the event loop added no call
       (every ready task has had its turn, so waiting only adds latency);
-    * the oldest waiting call has waited ``timeout_s`` seconds.
+    * the oldest waiting call has waited ``timeout_s`` seconds (never when
+      ``timeout_s`` is ``None``: then when steps go depends on the program
+      alone, not on the clock, as a reproducible run needs).
 
     A step computes the distinct requests of the calls taken, in arrival
     order, as many as fit ``max_batch_size`` and ``max_batch_tokens``; the
@@ -89,19 +91,20 @@ class BatchingConfig:
         max_batch_tokens: Most tokens per step, by the runner's count (see
             :meth:`~genlm_backend.llm.runner.Runner.request_tokens`); ``None``
             for no budget.
-        timeout_s: Most seconds a call waits for company before it is taken.
+        timeout_s: Most seconds a call waits for company before it is taken;
+            ``None``: no limit (needs ``flush_on_idle``).
         flush_on_idle: Take the waiting calls as soon as a full event-loop pass added none.
 
     Raises:
         TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that
             is not a number, a ``flush_on_idle`` that is not a bool.
-        ValueError: a limit < 1, a ``timeout_s`` < 0 or not finite.
-            Either message names the field and the value given.
+        ValueError: a limit < 1, a ``timeout_s`` < 0 or not finite, or ``None``
+            without ``flush_on_idle``. Either message names the field and the value given.
     """
 
     max_batch_size: int | None = None
     max_batch_tokens: int | None = None
-    timeout_s: float = 0.02
+    timeout_s: float | None = 0.02
     flush_on_idle: bool = True
 
     def __post_init__(self) -> None:
@@ -113,14 +116,20 @@ class BatchingConfig:
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+        if not isinstance(self.flush_on_idle, bool):
+            raise TypeError(f"flush_on_idle must be a bool, got {self.flush_on_idle!r}")
         timeout_s = self.timeout_s
+        if timeout_s is None:
+            if not self.flush_on_idle:
+                raise ValueError(
+                    "timeout_s=None needs flush_on_idle=True (a call could wait forever)"
+                )
+            return
         if not isinstance(timeout_s, Real) or isinstance(timeout_s, bool):
-            raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+            raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
         if not (math.isfinite(timeout_s) and timeout_s >= 0):
             raise ValueError(f"timeout_s must be finite and >= 0, got {timeout_s!r}")
         object.__setattr__(self, "timeout_s", float(timeout_s))
-        if not isinstance(self.flush_on_idle, bool):
-            raise TypeError(f"flush_on_idle must be a bool, got {self.flush_on_idle!r}")
 
     def next_batch_length(self, request_tokens: Iterable[int]) -> int:
         """How many of the requests (tokens each, in arrival order) one step takes.
@@ -237,7 +246,11 @@ class WaitingCalls(Generic[K]):
                 await self._arrived.wait()
             if config.max_batch_size is not None and self._num_keys >= config.max_batch_size:
                 return
-            remaining_s = self._calls[0].queued_at + config.timeout_s - time.monotonic()
+            remaining_s = (
+                math.inf
+                if config.timeout_s is None
+                else self._calls[0].queued_at + config.timeout_s - time.monotonic()
+            )
             if remaining_s <= 0:
                 return
             if config.flush_on_idle:

@@ -85,15 +85,19 @@ class MockAsyncLM(AsyncLM):
     Args:
         tokenizer: A Hugging Face tokenizer, or ``None`` with ``byte_vocab`` given.
         byte_vocab: The vocabulary, when no tokenizer is at hand.
+        deterministic: Steps go when the event loop is idle, never on the clock
+            (a mock's rows depend on their context alone either way).
         **kwargs: :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
         ValueError: neither a tokenizer nor a ``byte_vocab``.
     """
 
-    def __init__(self, tokenizer=None, *, byte_vocab=None, **kwargs):
+    def __init__(self, tokenizer=None, *, byte_vocab=None, deterministic: bool = False, **kwargs):
         if tokenizer is None and byte_vocab is None:
             raise ValueError("MockAsyncLM needs a tokenizer or a byte_vocab")
+        if deterministic:
+            kwargs["timeout_s"] = None
         super().__init__(tokenizer, byte_vocab=byte_vocab, **kwargs)
         self.runner = MockRunner(self.vocab_size, self.device)
 

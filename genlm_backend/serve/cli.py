@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="options for the backend, as load_model_by_name's llm_opts, e.g. "
         """'{"kv_cache_bytes": 8589934592, "output_cache_bytes": 2147483648}' """,
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="reproducible rows: each row has the bits of its context computed alone, "
+        "whatever other clients' traffic shares its batch (llm_opts' deterministic)",
+    )
     defaults = ServeLimits()
     parser.add_argument(
         "--max-rows",
@@ -96,7 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     log = main_log("genlm-backend serve")
     backend = args.backend or default_backend()
     log(f"loading {args.model or 'the default model'} on the {backend} backend")
-    lm = load_model_by_name(args.model, backend=backend, llm_opts=args.llm_opts)
+    llm_opts = {**args.llm_opts, **({"deterministic": True} if args.deterministic else {})}
+    lm = load_model_by_name(args.model, backend=backend, llm_opts=llm_opts)
     try:
         app = serve(
             lm,

@@ -43,10 +43,18 @@ class AsyncTransformer(AsyncLM):
             threads to the cores they get, so that processes sharing a machine
             do not take the cores from one another
             (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``: fixed.
+        deterministic: Reproducible rows and runs (docs/contract.md,
+            "Reproducibility"): each row has the bits of its context computed
+            alone from an empty cache, whatever shares its batch and whatever
+            the cache holds (:mod:`~genlm_backend.llm.hf.exact`); steps go when
+            the event loop is idle, never on the clock (``timeout`` is ignored);
+            the thread count is fixed (``cpu_threads`` is ignored).
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
         ImportError: the installed transformers is not a supported version.
+        ValueError: ``deterministic`` with a model whose attention the runner
+            cannot compute itself (the message says why).
     """
 
     runner: HFRunner
@@ -62,22 +70,27 @@ class AsyncTransformer(AsyncLM):
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         compute_in_loop: bool = True,
         cpu_threads: str | None = "auto",
+        deterministic: bool = False,
         **kwargs,
     ):
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
         window = attention_window(hf_model.config)
         longest = max_positions(hf_model.config)
         kwargs.setdefault("max_context_length", longest if window is None else min(window, longest))
         super().__init__(
             hf_tokenizer,
             batch_size=batch_size,
-            timeout_s=timeout,
+            timeout_s=None if deterministic else timeout,
             output_cache_bytes=output_cache_bytes,
             device=hf_model.device,
-            cpu_threads=cpu_threads,
+            cpu_threads=None if deterministic else cpu_threads,
             **kwargs,
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
-        self.runner = HFRunner(hf_model.eval(), self.kv_cache, self.vocab_size)
+        self.runner = HFRunner(
+            hf_model.eval(), self.kv_cache, self.vocab_size, deterministic=deterministic
+        )
         self.engine.compute_in_loop = compute_in_loop
 
     @property

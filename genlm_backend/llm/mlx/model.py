@@ -74,8 +74,14 @@ class AsyncMlxLM(AsyncLM):
         batch_size: int | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        deterministic: bool = False,
         **kwargs,
     ):
+        if deterministic:
+            raise ValueError(
+                "deterministic=True is not available on the MLX backend (its kernels' reduction "
+                "order depends on the batch); the transformers backend (backend='hf') has it"
+            )
         unknown = sorted(set(cache_opts or {}) - _CACHE_OPTS)
         if unknown:
             raise ValueError(f"unknown cache_opts {unknown}; accepted: {sorted(_CACHE_OPTS)}")

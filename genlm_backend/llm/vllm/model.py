@@ -117,8 +117,16 @@ class AsyncVirtualLM(AsyncLM):
             model_name: ``None`` for the default model (SmolLM2-135M-Instruct).
             engine_opts: ``vllm.EngineArgs`` options, over :data:`DEFAULT_ENGINE_OPTS`
                 (``model`` is set from ``model_name``; ``enable_lora=True`` for adapters).
-            **kwargs: Constructor options.
+            **kwargs: Constructor options, and ``deterministic=True``: vLLM's
+                batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``), which vLLM
+                provides on NVIDIA GPUs of compute capability 8.0 or higher.
+
+        Raises:
+            ValueError: ``deterministic=True`` where vLLM has no batch-invariant kernels.
         """
+        if kwargs.pop("deterministic", False):
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+            check_batch_invariance_available()
         for name, value in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)
         vllm_compat.check_vllm_version()
@@ -179,3 +187,20 @@ def _check_sessions(max_sessions: int | None, unsupported: str | None) -> None:
             "pass max_sessions=0 (or leave it unset): every context then runs as a plain "
             "request, with the same rows"
         )
+
+
+def check_batch_invariance_available() -> None:
+    """Raise unless vLLM's batch-invariant mode can run here (an NVIDIA GPU of compute capability 8.0+).
+
+    Raises:
+        ValueError: it cannot; the message says where rows are reproducible instead.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
+        return
+    raise ValueError(
+        "deterministic=True on the vLLM backend needs vLLM's batch-invariant kernels, which "
+        "run on NVIDIA GPUs of compute capability 8.0 or higher; none is here. The "
+        "transformers backend (backend='hf') gives reproducible rows on CPUs."
+    )
