@@ -40,6 +40,70 @@ MIN_ROWS = 16
 """Rows a matrix product is padded to: from 16 rows on, a row's bits do not depend on the others."""
 
 
+GRAIN = 32768
+"""Elements below which torch runs an elementwise operation on one thread (ATen's ``GRAIN_SIZE``)."""
+
+ALIGN = 32
+"""Elements per step of torch's vectorized CPU loops (two AVX-512 float vectors); the rest of a
+range goes through a scalar loop whose ``exp`` may round otherwise."""
+
+
+def aligned_numel(numel: int, num_threads: int) -> int:
+    """The least count ``>= numel`` that torch splits among its threads in whole vectorized steps.
+
+    An elementwise operation over ``n`` elements runs on ``t = min(threads, ceil(n / GRAIN))``
+    threads, each taking ``ceil(n / t)`` of them; when every share is a multiple of
+    :data:`ALIGN`, every element is computed by the vectorized loop, wherever it lies.
+    """
+    count = -(-numel // ALIGN) * ALIGN
+    while True:
+        threads = max(1, min(num_threads, -(-count // GRAIN)))
+        if count % (ALIGN * threads) == 0:
+            return count
+        count += ALIGN
+
+
+def exp_of_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``exp(a - b)`` (float32, ``a``'s shape), each element's bits independent of the tensor's size.
+
+    Computed in a buffer whose length torch splits in whole vectorized steps
+    (:func:`aligned_numel`), so no element goes through the scalar loop.
+    """
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    numel = shape.numel()
+    buffer = torch.empty(
+        aligned_numel(numel, torch.get_num_threads()), dtype=torch.float32, device=a.device
+    )
+    out = buffer[:numel].view(shape)
+    torch.sub(a, b, out=out)
+    if a.device.type == "cpu":
+        buffer[numel:].zero_()
+        buffer.exp_()
+    else:
+        out.exp_()
+    return out
+
+
+def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over ``dim``, in a fixed tree: padded with zeros to a power of two, halves added until one is left.
+
+    Zeros past a query's blocks only add exact zeros to its sums, so the
+    result for a query does not depend on how many blocks the pass has
+    (torch's own reductions group the terms by the dimension's length).
+    """
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    padded = 1 << max(0, size - 1).bit_length()
+    if padded != size:
+        shape = list(x.shape)
+        shape[dim] = padded - size
+        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+    while padded > 1:
+        padded //= 2
+        x = x.narrow(dim, 0, padded) + x.narrow(dim, padded, padded)
+    return x.squeeze(dim)
+
+
 def pad_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     """``x`` with zero rows appended along ``dim`` up to :data:`MIN_ROWS` (``x`` itself when it has as many)."""
     num_rows = x.shape[dim]
@@ -126,7 +190,7 @@ def _block_partials(
         scores = scores + bias
     block_max = scores.amax(-1)
     safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
-    weights = torch.exp(scores - safe_max[..., None])
+    weights = exp_of_difference(scores, safe_max[..., None])
     return block_max, weights.sum(-1), (weights.to(values.dtype) @ values).float()
 
 
@@ -207,12 +271,12 @@ def exact_attention(
             block_sum[rows, ..., span] = s.permute(2, 0, 3, 1)
             block_out[rows, ..., span, :] = o.permute(2, 0, 3, 1, 4)
 
-    # merge in position order: blocks past a query's keys add exact zeros
+    # merge: blocks past a query's keys weigh exact zeros, and sums do not group by the block count
     top = block_max.amax(-1, keepdim=True)
     top = torch.where(top == -torch.inf, 0.0, top)
-    shares = torch.exp(block_max - top)
-    total = (block_sum * shares).cumsum(-1)[..., -1:]
-    out = (block_out * shares[..., None]).cumsum(-2)[..., -1, :]
+    shares = exp_of_difference(block_max, top)
+    total = sum_in_halves(block_sum * shares, -1)[..., None]
+    out = sum_in_halves(block_out * shares[..., None], -2)
     out = out / torch.where(total > 0, total, 1.0)
     # [B, Hkv, g * L, D] -> [B, L, Hq, D]
     out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
