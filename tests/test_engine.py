@@ -109,7 +109,6 @@ def check_rows(rows, contexts) -> None:
         ({"timeout_s": float("nan")}, "timeout_s", ValueError),
         ({"timeout_s": float("inf")}, "timeout_s", ValueError),
         ({"timeout_s": "0.1"}, "timeout_s", TypeError),
-        ({"timeout_s": None}, "timeout_s", TypeError),
         ({"flush_on_idle": 1}, "flush_on_idle", TypeError),
     ],
 )
