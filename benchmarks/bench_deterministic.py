@@ -60,7 +60,9 @@ def main() -> None:
         times = {False: [], True: []}
         for _ in range(args.rounds):
             for deterministic in (False, True):
-                times[deterministic].append(run_once(model, tokenizer, deterministic, *SETUPS[name]))
+                times[deterministic].append(
+                    run_once(model, tokenizer, deterministic, *SETUPS[name])
+                )
         for part, index in (("prefill", 0), ("decode", 1)):
             default = statistics.median(t[index] for t in times[False])
             exact = statistics.median(t[index] for t in times[True])
