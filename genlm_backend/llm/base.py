@@ -180,7 +180,7 @@ class AsyncLM:
         return self.batching.max_batch_size
 
     @property
-    def timeout_s(self) -> float:
+    def timeout_s(self) -> float | None:
         """Most seconds a request waits for company; see :attr:`batching`."""
         return self.batching.timeout_s
 

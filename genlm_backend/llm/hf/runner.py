@@ -375,6 +375,7 @@ class HFRunner:
             and block.num_slots == plan.num_new
             and all(row.num_new == plan.num_new for row in plan.rows)
         )
+        attention: dict[str, object]
         if self.deterministic:
             num_groups = self.model.config.get_text_config(decoder=True).num_attention_heads
             num_groups //= kv_shape(self.model.config)[0]
