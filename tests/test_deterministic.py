@@ -26,6 +26,7 @@ from genlm_backend.llm.engine import BatchingConfig
 from genlm_backend.llm.hf import exact
 from genlm_backend.llm.hf.runner import HFRunner
 from tests.conftest import build_tiny_llama
+from tests.hf_reference import reference
 
 EXAMPLES = int(os.environ.get("GENLM_EXACT_EXAMPLES", "12"))
 VOCAB = 2000  # token ids drawn below this (the tiny model's vocabulary is the tokenizer's)
@@ -52,6 +53,25 @@ class Alone:
 def tiny(smollm2_tokenizer):
     model = build_tiny_llama(len(smollm2_tokenizer))
     return model, smollm2_tokenizer, Alone(model, len(smollm2_tokenizer))
+
+
+def test_exact_rows_agree_with_a_plain_forward(tiny):
+    """Exact rows are the model's rows: within float32 rounding of transformers' own uncached forward."""
+    model, _, alone = tiny
+    rng = random.Random(6)
+    for length in (1, 63, 64, 65, 200):
+        context = [rng.randrange(VOCAB) for _ in range(length)]
+        expected = reference(model, context)[: alone.vocab_size]
+        torch.testing.assert_close(alone(context), expected, atol=1e-4, rtol=0)
+
+
+def test_runners_of_one_model_share_its_padding_hooks(tiny):
+    model, _, alone = tiny
+    counts = []
+    for _ in range(3):
+        HFRunner(model, KVPrefixTree(1 << 20), alone.vocab_size, deterministic=True)
+        counts.append(len(model.lm_head._forward_pre_hooks))
+    assert counts[0] == counts[1] == counts[2]
 
 
 def exact_llm(model, tokenizer, **opts) -> AsyncTransformer:

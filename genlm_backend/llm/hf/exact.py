@@ -288,12 +288,23 @@ class PaddedMatmuls:
     computes at least :data:`MIN_ROWS` rows: fewer are padded with zeros, the extra outputs dropped.
 
     The hooks stay on the modules; :meth:`attach` puts them on modules added since (an adapter's).
+    One per model (:meth:`of`), however many runners it serves.
     """
 
     def __init__(self):
         self.active = False
         self._hooked: set[int] = set()
         self._shapes: dict[int, torch.Size] = {}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> PaddedMatmuls:
+        """The model's own, its projections hooked."""
+        padded = getattr(model, "_genlm_padded_matmuls", None)
+        if padded is None:
+            padded = cls()
+            model._genlm_padded_matmuls = padded
+        padded.attach(model)
+        return padded
 
     def attach(self, model: torch.nn.Module) -> None:
         for module in model.modules():

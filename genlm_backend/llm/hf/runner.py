@@ -90,8 +90,7 @@ class HFRunner:
                     f"deterministic=True needs attention the runner computes itself; this model's "
                     f"cannot be: {self.levels_unsupported}"
                 )
-            self._padded_matmuls = PaddedMatmuls()
-            self._padded_matmuls.attach(model)
+            self._padded_matmuls = PaddedMatmuls.of(model)
         self.level_policy = LevelPolicy(
             enabled=self.levels_unsupported is None,
             block_tokens=BLOCK_TOKENS if deterministic else None,
