@@ -185,13 +185,16 @@ def _block_partials(
     float32 ``[..., nb, M]``, ``[..., nb, M]``, ``[..., nb, M, D]``. A block
     with no visible key gives ``-inf, 0, 0``.
     """
-    scores = (queries @ keys.transpose(-1, -2)).float() * scale
+    # Operands in one memory layout whatever their source (a level's view, gathered own
+    # keys): torch's bfloat16 products sum in another order for transposed operands.
+    keys_t = keys.transpose(-1, -2).contiguous()
+    scores = (queries.contiguous() @ keys_t).float() * scale
     if bias is not None:
         scores = scores + bias
     block_max = scores.amax(-1)
     safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
     weights = exp_of_difference(scores, safe_max[..., None])
-    return block_max, weights.sum(-1), (weights.to(values.dtype) @ values).float()
+    return block_max, weights.sum(-1), (weights.to(values.dtype) @ values.contiguous()).float()
 
 
 def exact_attention(
