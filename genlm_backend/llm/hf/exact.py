@@ -25,7 +25,7 @@ embeddings, activations, the log-softmax.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -132,6 +132,19 @@ class ExactLayout:
     own_blocks: torch.Tensor
     num_blocks: int
     levels: tuple[tuple[Level, int], ...]
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def own_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
+        """``own_index`` as rows of a ``[B * Hkv * S, D]`` view of the pass's keys, ``[B * Hkv * NBo * b]``
+        (made once per pass: every layer gathers with it)."""
+        key = (num_kv_heads, num_slots)
+        rows = self._rows.get(key)
+        if rows is None:
+            num_rows = self.own_index.shape[0]
+            heads = torch.arange(num_rows * num_kv_heads, device=self.own_index.device)
+            rows = heads.view(num_rows, num_kv_heads, 1) * num_slots + self.own_index[:, None, :]
+            rows = self._rows[key] = rows.flatten()
+        return rows
 
     @classmethod
     def of(
@@ -235,9 +248,10 @@ def exact_attention(
     )
 
     # the rows' own parts, each gathered from its slots into whole blocks
-    index = layout.own_index[:, None, :, None].expand(-1, num_kv_heads, -1, head_dim)
-    own_keys = key.gather(2, index).unflatten(2, (-1, b))  # [B, Hkv, NBo, b, D]
-    own_values = value.gather(2, index).unflatten(2, (-1, b))
+    rows = layout.own_rows(num_kv_heads, key.shape[2])
+    shape = (num_rows, num_kv_heads, -1, b, head_dim)
+    own_keys = key.reshape(-1, head_dim).index_select(0, rows).view(shape)  # [B, Hkv, NBo, b, D]
+    own_values = value.reshape(-1, head_dim).index_select(0, rows).view(shape)
     m, s, o = _block_partials(padded[:, :, None], own_keys, own_values, scale, layout.own_bias)
     blocks = layout.own_blocks.expand(-1, num_kv_heads, num_queries, -1)
     block_max.scatter_(3, blocks, m[:, :, :, :num_queries].transpose(2, 3))
