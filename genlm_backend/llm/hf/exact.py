@@ -85,7 +85,8 @@ def exp_of_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The sum over ``dim``, in a fixed tree: padded with zeros to a power of two, halves added until one is left.
+    """The sum over ``dim`` in a fixed tree: as if padded with zeros to a power of two, halves
+    added until one is left.
 
     Zeros past a query's blocks only add exact zeros to its sums, so the
     result for a query does not depend on how many blocks the pass has
@@ -93,15 +94,14 @@ def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
     """
     dim = dim % x.dim()
     size = x.shape[dim]
-    padded = 1 << max(0, size - 1).bit_length()
-    if padded != size:
-        shape = list(x.shape)
-        shape[dim] = padded - size
-        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    while padded > 1:
-        padded //= 2
-        x = x.narrow(dim, 0, padded) + x.narrow(dim, padded, padded)
-    return x.squeeze(dim)
+    half = 1 << max(0, size - 1).bit_length()
+    while half > 1:
+        half //= 2
+        if size > half:  # element i gets element i + half (a padding zero beyond size)
+            summed = x.narrow(dim, 0, half).clone()
+            summed.narrow(dim, 0, size - half).add_(x.narrow(dim, half, size - half))
+            x, size = summed, half
+    return x.narrow(dim, 0, 1).squeeze(dim)
 
 
 def pad_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
@@ -121,7 +121,7 @@ class ExactLayout:
     ``own_index[i, j]``: the slot in the pass's block of row ``i``'s own key
     ``j`` (its ``j``-th key after its levels), for ``NBo * b`` keys
     (padding points at the row's first slot and is masked).
-    ``own_bias``: ``[B, 1, NBo, M, b]`` float32, ``0`` where query ``m`` (grouped
+    ``own_bias``: ``[B, 1, M, NBo * b]`` float32, ``0`` where query ``m`` (grouped
     heads, then new positions) sees the key, ``-inf`` where it does not.
     ``own_blocks``: ``[B, 1, 1, NBo]``, the position-order block index of
     each row's own blocks. ``levels``: each level with its first block.
@@ -167,7 +167,7 @@ class ExactLayout:
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, -torch.inf)
         # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
         bias = bias[:, None].expand(-1, num_groups, -1, -1).flatten(1, 2)  # [B, g*L, S]
-        bias = pad_rows(bias, dim=1).unflatten(2, (num_own_blocks, b)).transpose(1, 2)
+        bias = pad_rows(bias, dim=1)  # [B, M, S]
         first_blocks = torch.tensor(splits) // b
         own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
         placed = []
@@ -191,23 +191,33 @@ def _block_partials(
     scale: float,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each block's max score, sum of weights and weighted values (unnormalized), per query.
+    """Each key block's max score, sum of weights and weighted values (unnormalized), per query.
 
-    ``queries``: ``[..., 1, M, D]`` (``M >= MIN_ROWS``); ``keys``/``values``:
-    ``[..., nb, b, D]``; ``bias``: broadcastable to ``[..., nb, M, b]``. Returns
-    float32 ``[..., nb, M]``, ``[..., nb, M]``, ``[..., nb, M, D]``. A block
-    with no visible key gives ``-inf, 0, 0``.
+    ``queries``: ``[..., M, D]`` (``M >= MIN_ROWS``); ``keys``/``values``:
+    ``[..., n, D]``, ``n`` a multiple of :data:`BLOCK_TOKENS`; ``bias``:
+    broadcastable to ``[..., M, n]``. Returns float32 ``[..., nb, M]``,
+    ``[..., nb, M]``, ``[..., nb, M, D]``. A block with no visible key gives
+    ``-inf, 0, 0``.
+
+    The scores of all blocks come from one product (a score's bits do not
+    depend on how many keys the product has); the weighted values from one
+    product per block (the sum over a block's keys must not depend on the
+    others).
     """
-    # Operands in one memory layout whatever their source (a level's view, gathered own
-    # keys): torch's bfloat16 products sum in another order for transposed operands.
-    keys_t = keys.transpose(-1, -2).contiguous()
-    scores = (queries.contiguous() @ keys_t).float() * scale
+    b = BLOCK_TOKENS
+    scores = (queries @ keys.transpose(-1, -2)).float() * scale
     if bias is not None:
         scores = scores + bias
-    block_max = scores.amax(-1)
+    blocks = scores.unflatten(-1, (-1, b))  # [..., M, nb, b]
+    block_max = blocks.amax(-1)
     safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
-    weights = exp_of_difference(scores, safe_max[..., None])
-    return block_max, weights.sum(-1), (weights.to(values.dtype) @ values.contiguous()).float()
+    # [..., nb, M, b], each block's weights together for its product
+    weights = exp_of_difference(blocks.transpose(-3, -2), safe_max.transpose(-1, -2)[..., None])
+    # One memory layout for the product's operands whatever their source (a level's view,
+    # gathered own values): torch's bfloat16 products sum in another order otherwise.
+    by_block = values.unflatten(-2, (-1, b)).contiguous()  # [..., nb, b, D]
+    out = (weights.to(values.dtype) @ by_block).float()
+    return block_max.transpose(-1, -2), weights.sum(-1), out
 
 
 def exact_attention(
@@ -252,7 +262,9 @@ def exact_attention(
     shape = (num_rows, num_kv_heads, -1, b, head_dim)
     own_keys = key.reshape(-1, head_dim).index_select(0, rows).view(shape)  # [B, Hkv, NBo, b, D]
     own_values = value.reshape(-1, head_dim).index_select(0, rows).view(shape)
-    m, s, o = _block_partials(padded[:, :, None], own_keys, own_values, scale, layout.own_bias)
+    m, s, o = _block_partials(
+        padded, own_keys.flatten(2, 3), own_values.flatten(2, 3), scale, layout.own_bias
+    )
     blocks = layout.own_blocks.expand(-1, num_kv_heads, num_queries, -1)
     block_max.scatter_(3, blocks, m[:, :, :, :num_queries].transpose(2, 3))
     block_sum.scatter_(3, blocks, s[:, :, :, :num_queries].transpose(2, 3))
@@ -266,13 +278,7 @@ def exact_attention(
         readers = grouped if rows is None else grouped.index_select(0, rows)
         num_readers = readers.shape[0]
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
-        m, s, o = _block_partials(
-            together[:, None],
-            level_keys[0].unflatten(1, (-1, b)),
-            level_values[0].unflatten(1, (-1, b)),
-            scale,
-            None,
-        )
+        m, s, o = _block_partials(together, level_keys[0], level_values[0], scale, None)
         nb = m.shape[1]
         # [Hkv, nb, R * M, ...] -> [R, Hkv, M, nb, ...]
         m = m[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
