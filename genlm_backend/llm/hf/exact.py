@@ -188,12 +188,11 @@ def _block_partials(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    scale: float,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each key block's max score, sum of weights and weighted values (unnormalized), per query.
 
-    ``queries``: ``[..., M, D]`` (``M >= MIN_ROWS``); ``keys``/``values``:
+    ``queries``: ``[..., M, D]``, scaled (``M >= MIN_ROWS``); ``keys``/``values``:
     ``[..., n, D]``, ``n`` a multiple of :data:`BLOCK_TOKENS`; ``bias``:
     broadcastable to ``[..., M, n]``. Returns float32 ``[..., nb, M]``,
     ``[..., nb, M]``, ``[..., nb, M, D]``. A block with no visible key gives
@@ -205,7 +204,7 @@ def _block_partials(
     others).
     """
     b = BLOCK_TOKENS
-    scores = (queries @ keys.transpose(-1, -2)).float() * scale
+    scores = (queries @ keys.transpose(-1, -2)).float()
     if bias is not None:
         scores = scores + bias
     blocks = scores.unflatten(-1, (-1, b))  # [..., M, nb, b]
@@ -213,11 +212,16 @@ def _block_partials(
     safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
     # [..., nb, M, b], each block's weights together for its product
     weights = exp_of_difference(blocks.transpose(-3, -2), safe_max.transpose(-1, -2)[..., None])
-    # One memory layout for the product's operands whatever their source (a level's view,
+    # The product's operands in one memory layout whatever their source (a level's view,
     # gathered own values): torch's bfloat16 products sum in another order otherwise.
-    by_block = values.unflatten(-2, (-1, b)).contiguous()  # [..., nb, b, D]
-    out = (weights.to(values.dtype) @ by_block).float()
-    return block_max.transpose(-1, -2), weights.sum(-1), out
+    cast = weights.to(values.dtype)
+    if values.dim() == 3 and not values.is_contiguous():  # a level: each head's slots are
+        out = cast.new_empty(*cast.shape[:-1], values.shape[-1])  # contiguous, no copy
+        for head in range(values.shape[0]):
+            torch.matmul(cast[head], values[head].unflatten(0, (-1, b)), out=out[head])
+    else:
+        out = cast @ values.contiguous().unflatten(-2, (-1, b))  # [..., nb, b, D]
+    return block_max.transpose(-1, -2), weights.sum(-1), out.float()
 
 
 def exact_attention(
@@ -246,7 +250,7 @@ def exact_attention(
         num_q_heads // num_kv_heads * num_new
     )  # per key/value head: grouped, then positions
     b, num_blocks = BLOCK_TOKENS, layout.num_blocks
-    grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim)
+    grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim) * scale
     padded = pad_rows(grouped)  # [B, Hkv, M, D]
 
     block_max = torch.full(
@@ -263,7 +267,7 @@ def exact_attention(
     own_keys = key.reshape(-1, head_dim).index_select(0, rows).view(shape)  # [B, Hkv, NBo, b, D]
     own_values = value.reshape(-1, head_dim).index_select(0, rows).view(shape)
     m, s, o = _block_partials(
-        padded, own_keys.flatten(2, 3), own_values.flatten(2, 3), scale, layout.own_bias
+        padded, own_keys.flatten(2, 3), own_values.flatten(2, 3), layout.own_bias
     )
     blocks = layout.own_blocks.expand(-1, num_kv_heads, num_queries, -1)
     block_max.scatter_(3, blocks, m[:, :, :, :num_queries].transpose(2, 3))
@@ -278,7 +282,7 @@ def exact_attention(
         readers = grouped if rows is None else grouped.index_select(0, rows)
         num_readers = readers.shape[0]
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
-        m, s, o = _block_partials(together, level_keys[0], level_values[0], scale, None)
+        m, s, o = _block_partials(together, level_keys[0], level_values[0], None)
         nb = m.shape[1]
         # [Hkv, nb, R * M, ...] -> [R, Hkv, M, nb, ...]
         m = m[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
