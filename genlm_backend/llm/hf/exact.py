@@ -278,8 +278,7 @@ def exact_attention(
     # each level once for all the rows that read it: their queries go in together
     for level, first in layout.levels:
         level_keys, level_values = level.keys_values(layer)  # [1, Hkv, n, D]
-        rows = level.rows
-        readers = grouped if rows is None else grouped.index_select(0, rows)
+        readers = grouped if level.rows is None else grouped.index_select(0, level.rows)
         num_readers = readers.shape[0]
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
         m, s, o = _block_partials(together, level_keys[0], level_values[0], None)
@@ -289,14 +288,14 @@ def exact_attention(
         s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         span = slice(first, first + nb)
-        if rows is None:
+        if level.rows is None:
             block_max[..., span] = m.permute(2, 0, 3, 1)
             block_sum[..., span] = s.permute(2, 0, 3, 1)
             block_out[..., span, :] = o.permute(2, 0, 3, 1, 4)
         else:
-            block_max[rows, ..., span] = m.permute(2, 0, 3, 1)
-            block_sum[rows, ..., span] = s.permute(2, 0, 3, 1)
-            block_out[rows, ..., span, :] = o.permute(2, 0, 3, 1, 4)
+            block_max[level.rows, ..., span] = m.permute(2, 0, 3, 1)
+            block_sum[level.rows, ..., span] = s.permute(2, 0, 3, 1)
+            block_out[level.rows, ..., span, :] = o.permute(2, 0, 3, 1, 4)
 
     # merge: blocks past a query's keys weigh exact zeros, and sums do not group by the block count
     top = block_max.amax(-1, keepdim=True)
@@ -329,7 +328,7 @@ class PaddedMatmuls:
         padded = getattr(model, "_genlm_padded_matmuls", None)
         if padded is None:
             padded = cls()
-            model._genlm_padded_matmuls = padded
+            setattr(model, "_genlm_padded_matmuls", padded)
         padded.attach(model)
         return padded
 
