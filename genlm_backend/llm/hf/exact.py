@@ -24,6 +24,7 @@ embeddings, activations, the log-softmax.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -325,10 +326,9 @@ class PaddedMatmuls:
     @classmethod
     def of(cls, model: torch.nn.Module) -> PaddedMatmuls:
         """The model's own, its projections hooked."""
-        padded = getattr(model, "_genlm_padded_matmuls", None)
+        padded = _PADDED.get(model)
         if padded is None:
-            padded = cls()
-            setattr(model, "_genlm_padded_matmuls", padded)
+            padded = _PADDED[model] = cls()
         padded.attach(model)
         return padded
 
@@ -357,6 +357,9 @@ class PaddedMatmuls:
             return None
         num_rows = shape[:-1].numel()
         return output[:num_rows].reshape(*shape[:-1], output.shape[-1])
+
+
+_PADDED: weakref.WeakKeyDictionary[torch.nn.Module, PaddedMatmuls] = weakref.WeakKeyDictionary()
 
 
 def _is_projection(module: torch.nn.Module) -> bool:
