@@ -461,8 +461,9 @@ class HFRunner:
         return self._static_cache(block.layers, num_past)
 
 
-PREFILL_CHUNK = 512
-"""Most new tokens per row of a deterministic pass (see :meth:`HFRunner._prefill_in_chunks`)."""
+PREFILL_CHUNK = 128
+"""Most new tokens per row of a deterministic pass (see :meth:`HFRunner._prefill_in_chunks`); the
+fastest of the sizes BENCHMARKS.md compares ("Reproducible rows")."""
 
 
 def _num_spare_slots(num_past: int) -> int:
