@@ -37,6 +37,10 @@ from genlm_backend.llm.hf.attention import Level
 BLOCK_TOKENS = 64
 """Keys per attention block."""
 
+QUERY_CHUNK = 128
+"""New positions per row computed together: a longer pass's positions go in runs of this many,
+each over only the own keys it can see (the scores of a run stay in cache)."""
+
 MIN_ROWS = 16
 """Rows a matrix product is padded to: from 16 rows on, a row's bits do not depend on the others."""
 
@@ -133,6 +137,9 @@ class ExactLayout:
     own_blocks: torch.Tensor
     num_blocks: int
     levels: tuple[tuple[Level, int], ...]
+    chunks: tuple[tuple[int, int, ExactLayout], ...] = ()
+    """For a pass of more than :data:`QUERY_CHUNK` new positions: ``(first, end, layout)``
+    of each run of positions, computed apart, each over the own keys it can see."""
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
     def own_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
@@ -166,9 +173,6 @@ class ExactLayout:
         query_at = torch.tensor([row.reused for row in plan.rows])[:, None] + torch.arange(num_new)
         visible = (keys < lengths)[:, None, :] & (key_at[:, None, :] <= query_at[:, :, None])
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, -torch.inf)
-        # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
-        bias = bias[:, None].expand(-1, num_groups, -1, -1).flatten(1, 2)  # [B, g*L, S]
-        bias = pad_rows(bias, dim=1)  # [B, M, S]
         first_blocks = torch.tensor(splits) // b
         own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
         placed = []
@@ -176,13 +180,35 @@ class ExactLayout:
         for level, ((entry, n), _) in zip(levels, planner.level_readers(plan.rows), strict=True):
             assert entry.offset % b == 0 and n % b == 0, "levels span whole blocks"
             placed.append((level, entry.offset // b))
-        return cls(
-            own_index=index.to(device),
-            own_bias=bias[:, None].contiguous().to(device),
-            own_blocks=own_blocks[:, None, None, :].to(device),
-            num_blocks=int(own_blocks[:, -1].max()) + 1,
-            levels=tuple(placed),
+        num_blocks = int(own_blocks[:, -1].max()) + 1
+
+        def layout(first: int, end: int, chunks=()) -> ExactLayout:
+            # own key j is visible to position t only if j <= own past + t: later blocks are left out
+            seen = -(-(max(row.num_own_past for row in plan.rows) + end) // b) * b
+            seen = min(seen, num_own_blocks * b)
+            part = bias[:, None, first:end, :seen].expand(-1, num_groups, -1, -1)
+            # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
+            part = pad_rows(part.flatten(1, 2), dim=1)  # [B, M, S]
+            return cls(
+                own_index=index[:, :seen].to(device),
+                own_bias=part[:, None].contiguous().to(device),
+                own_blocks=own_blocks[:, None, None, : seen // b].to(device),
+                num_blocks=num_blocks,
+                levels=tuple(placed),
+                chunks=chunks,
+            )
+
+        if num_new <= QUERY_CHUNK:
+            return layout(0, num_new)
+        chunks = tuple(
+            (
+                first,
+                min(first + QUERY_CHUNK, num_new),
+                layout(first, min(first + QUERY_CHUNK, num_new)),
+            )
+            for first in range(0, num_new, QUERY_CHUNK)
         )
+        return layout(0, 0, chunks)  # the chunks hold everything
 
 
 def _block_partials(
@@ -245,6 +271,14 @@ def exact_attention(
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
+    if layout.chunks:
+        return torch.cat(
+            [
+                exact_attention(layer, query[:, :, first:end], key, value, scale, part)
+                for first, end, part in layout.chunks
+            ],
+            dim=1,
+        )
     num_rows, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_queries = (

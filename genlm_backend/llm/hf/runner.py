@@ -271,8 +271,6 @@ class HFRunner:
         Returns:
             ``float32`` ``[len(contexts), vocab_size]`` on the model's device, normalized per row.
         """
-        if self.deterministic:
-            self._prefill_in_chunks(contexts, namespace)
         lookups = self._lookup(contexts, namespace)
         if self.level_policy.enabled:
             rounds = self._prefill_rounds(lookups, namespace)
@@ -281,23 +279,6 @@ class HFRunner:
             if rounds:  # the tree changed: look again
                 lookups = self._lookup(contexts, namespace)
         return self._execute(self._plan(lookups), namespace)
-
-    def _prefill_in_chunks(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> None:
-        """With ``deterministic``, long uncached spans are computed :data:`PREFILL_CHUNK` tokens a pass.
-
-        Exact attention holds a score per query and key block, so a pass's
-        working memory grows with the square of its new tokens; rows do not
-        depend on where the computation was cut.
-        """
-        for context in contexts:
-            cached = self.kv_tree.cached_length(context, namespace)
-            while len(context) - cached > PREFILL_CHUNK:
-                prefix = context[: cached + PREFILL_CHUNK]
-                self._execute(self._plan(self._lookup([prefix], namespace)), namespace)
-                now = self.kv_tree.cached_length(context, namespace)
-                if now <= cached:  # not kept (a tiny budget): the rest goes in one pass
-                    break
-                cached = now
 
     def _lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
         found = []
@@ -459,11 +440,6 @@ class HFRunner:
     def _cache_over(self, block: KVBlock, num_past: int):
         """A StaticCache whose layers are ``block``'s tensors, the next token going to slot ``num_past``."""
         return self._static_cache(block.layers, num_past)
-
-
-PREFILL_CHUNK = 128
-"""Most new tokens per row of a deterministic pass (see :meth:`HFRunner._prefill_in_chunks`); the
-fastest of the sizes BENCHMARKS.md compares ("Reproducible rows")."""
 
 
 def _num_spare_slots(num_past: int) -> int:
