@@ -142,6 +142,15 @@ class ExactLayout:
     of each run of positions, computed apart, each over the own keys it can see."""
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def own_block_rows(self) -> torch.Tensor:
+        """Where each row's own blocks go among ``B * num_blocks`` block rows, ``[B * NBo]``."""
+        rows = self._rows.get("blocks")
+        if rows is None:
+            blocks = self.own_blocks[:, 0, 0, :]  # [B, NBo]
+            first = torch.arange(blocks.shape[0], device=blocks.device)[:, None] * self.num_blocks
+            rows = self._rows["blocks"] = (first + blocks).flatten()
+        return rows
+
     def own_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
         """``own_index`` as rows of a ``[B * Hkv * S, D]`` view of the pass's keys, ``[B * Hkv * NBo * b]``
         (made once per pass: every layer gathers with it)."""
@@ -185,7 +194,7 @@ class ExactLayout:
         def layout(first: int, end: int, chunks=()) -> ExactLayout:
             # own key j is visible to position t only if j <= own past + t: later blocks are left out
             seen = -(-(max(row.num_own_past for row in plan.rows) + end) // b) * b
-            seen = min(seen, num_own_blocks * b)
+            seen = min(seen, num_own_blocks * b) if not chunks else num_own_blocks * b
             part = bias[:, None, first:end, :seen].expand(-1, num_groups, -1, -1)
             # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
             part = pad_rows(part.flatten(1, 2), dim=1)  # [B, M, S]
@@ -208,7 +217,20 @@ class ExactLayout:
             )
             for first in range(0, num_new, QUERY_CHUNK)
         )
-        return layout(0, 0, chunks)  # the chunks hold everything
+        return layout(0, 0, chunks)  # gathers every own key once; the chunks compute
+
+
+def _own_blocks(
+    key: torch.Tensor, value: torch.Tensor, layout: ExactLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' own keys and values gathered from their slots, ``[B, Hkv, NBo * b, D]``."""
+    num_rows, num_kv_heads, num_slots, head_dim = key.shape
+    rows = layout.own_rows(num_kv_heads, num_slots)
+    shape = (num_rows, num_kv_heads, -1, head_dim)
+    return (
+        key.reshape(-1, head_dim).index_select(0, rows).view(shape),
+        value.reshape(-1, head_dim).index_select(0, rows).view(shape),
+    )
 
 
 def _block_partials(
@@ -258,6 +280,7 @@ def exact_attention(
     value: torch.Tensor,
     scale: float,
     layout: ExactLayout,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention whose result for a query depends only on that query and its context's keys.
 
@@ -267,14 +290,17 @@ def exact_attention(
         key: The pass's block of keys, ``[B, Hkv, S, D]`` (rows' own parts and new keys).
         value: Likewise, the values.
         layout: The pass's :class:`ExactLayout`.
+        own: The rows' own keys and values as blocks, ``[B, Hkv, S', D]`` (gathered here
+            when ``None``); a run of positions reads the first blocks.
 
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
     if layout.chunks:
+        own = _own_blocks(key, value, layout)
         return torch.cat(
             [
-                exact_attention(layer, query[:, :, first:end], key, value, scale, part)
+                exact_attention(layer, query[:, :, first:end], key, value, scale, part, own)
                 for first, end, part in layout.chunks
             ],
             dim=1,
@@ -284,31 +310,33 @@ def exact_attention(
     num_queries = (
         num_q_heads // num_kv_heads * num_new
     )  # per key/value head: grouped, then positions
-    b, num_blocks = BLOCK_TOKENS, layout.num_blocks
+    num_blocks = layout.num_blocks
     grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim) * scale
     padded = pad_rows(grouped)  # [B, Hkv, M, D]
 
+    # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
     block_max = torch.full(
-        (num_rows, num_kv_heads, num_queries, num_blocks), -torch.inf, device=query.device
+        (num_rows, num_blocks, num_kv_heads, num_queries), -torch.inf, device=query.device
     )
     block_sum = torch.zeros_like(block_max)
     block_out = torch.zeros(
-        (num_rows, num_kv_heads, num_queries, num_blocks, head_dim), device=query.device
+        (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), device=query.device
     )
 
     # the rows' own parts, each gathered from its slots into whole blocks
-    rows = layout.own_rows(num_kv_heads, key.shape[2])
-    shape = (num_rows, num_kv_heads, -1, b, head_dim)
-    own_keys = key.reshape(-1, head_dim).index_select(0, rows).view(shape)  # [B, Hkv, NBo, b, D]
-    own_values = value.reshape(-1, head_dim).index_select(0, rows).view(shape)
+    own_keys, own_values = _own_blocks(key, value, layout) if own is None else own
+    seen = layout.own_index.shape[1]
     m, s, o = _block_partials(
-        padded, own_keys.flatten(2, 3), own_values.flatten(2, 3), layout.own_bias
+        padded, own_keys[:, :, :seen], own_values[:, :, :seen], layout.own_bias
     )
-    blocks = layout.own_blocks.expand(-1, num_kv_heads, num_queries, -1)
-    block_max.scatter_(3, blocks, m[:, :, :, :num_queries].transpose(2, 3))
-    block_sum.scatter_(3, blocks, s[:, :, :, :num_queries].transpose(2, 3))
-    out_blocks = blocks[..., None].expand(-1, -1, -1, -1, head_dim)
-    block_out.scatter_(3, out_blocks, o[:, :, :, :num_queries].transpose(2, 3))
+    # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
+    at = layout.own_block_rows()
+    flat = (num_rows * num_blocks, num_kv_heads, num_queries)
+    block_max.view(flat).index_copy_(0, at, m[..., :num_queries].transpose(1, 2).flatten(0, 1))
+    block_sum.view(flat).index_copy_(0, at, s[..., :num_queries].transpose(1, 2).flatten(0, 1))
+    block_out.view(*flat, head_dim).index_copy_(
+        0, at, o[..., :num_queries, :].transpose(1, 2).flatten(0, 1)
+    )
 
     # each level once for all the rows that read it: their queries go in together
     for level, first in layout.levels:
@@ -318,26 +346,22 @@ def exact_attention(
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
         m, s, o = _block_partials(together, level_keys[0], level_values[0], None)
         nb = m.shape[1]
-        # [Hkv, nb, R * M, ...] -> [R, Hkv, M, nb, ...]
+        # [Hkv, nb, R * M, ...] -> [R, nb, Hkv, M, ...]
         m = m[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         span = slice(first, first + nb)
-        if level.rows is None:
-            block_max[..., span] = m.permute(2, 0, 3, 1)
-            block_sum[..., span] = s.permute(2, 0, 3, 1)
-            block_out[..., span, :] = o.permute(2, 0, 3, 1, 4)
-        else:
-            block_max[level.rows, ..., span] = m.permute(2, 0, 3, 1)
-            block_sum[level.rows, ..., span] = s.permute(2, 0, 3, 1)
-            block_out[level.rows, ..., span, :] = o.permute(2, 0, 3, 1, 4)
+        rows = slice(None) if level.rows is None else level.rows
+        block_max[rows, span] = m.permute(2, 1, 0, 3)
+        block_sum[rows, span] = s.permute(2, 1, 0, 3)
+        block_out[rows, span] = o.permute(2, 1, 0, 3, 4)
 
     # merge: blocks past a query's keys weigh exact zeros, and sums do not group by the block count
-    top = block_max.amax(-1, keepdim=True)
+    top = block_max.amax(1, keepdim=True)
     top = torch.where(top == -torch.inf, 0.0, top)
     shares = exp_of_difference(block_max, top)
-    total = sum_in_halves(block_sum * shares, -1)[..., None]
-    out = sum_in_halves(block_out * shares[..., None], -2)
+    total = sum_in_halves(block_sum * shares, 1)[..., None]
+    out = sum_in_halves(block_out * shares[..., None], 1)
     out = out / torch.where(total > 0, total, 1.0)
     # [B, Hkv, g * L, D] -> [B, L, Hq, D]
     out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
