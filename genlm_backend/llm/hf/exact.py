@@ -1,6 +1,6 @@
 """Exact rows: a context's row has the same bits whatever shares its pass and whatever the cache holds.
 
-Two things make a row depend on its neighbours in a plain forward pass:
+What makes a row depend on its neighbours in a plain forward pass, and what this module does about it:
 
 * **Matrix products of few rows.** torch's CPU products give a row other
   bits when the product has fewer than a few rows (measured on torch 2.13:
@@ -13,10 +13,14 @@ Two things make a row depend on its neighbours in a plain forward pass:
   end. :func:`exact_attention` splits every query's keys at fixed positions
   (``0, b, 2b, ...``, ``b = BLOCK_TOKENS``), computes each block with the
   same products (16 query rows or more, ``b`` keys, masked keys weighing an
-  exact zero), and merges the blocks in position order. A block is computed
-  from wherever the tree holds its keys: a level held once for many rows (the
-  planner's levels start and end at block boundaries: ``LevelPolicy.block_tokens``),
-  or the row's own part.
+  exact zero, operands in one memory layout), and merges the blocks with sums
+  of a fixed shape (:func:`sum_in_halves`). A block is computed from wherever
+  the tree holds its keys: a level held once for many rows (the planner's
+  levels start and end at block boundaries: ``LevelPolicy.block_tokens``), or
+  the row's own part.
+* **Elementwise ``exp``.** torch computes the elements past a range's last
+  whole vectorized step in a scalar loop that rounds otherwise, and where a
+  range ends depends on the tensor's size: :func:`exp_of_difference`.
 
 Everything else a decoder layer does is per row: embeddings, norms, rotary
 embeddings, activations, the log-softmax.
