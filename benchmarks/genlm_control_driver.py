@@ -42,18 +42,19 @@ import numpy as np
 import torch
 from genlm.backend.llm import AsyncTransformer
 from genlm.control import AWRS, BoolFSA, PromptedLLM
-from genlm_control_workloads import CRITICS, WORKLOADS
+from genlm_control_workloads import BESIDE_TEXTS, CRITICS, WORKLOADS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def build_potentials(
-    model_dir: str, workload: str = "email"
+    model_dir: str, workload: str = "email", deterministic: bool = False
 ) -> tuple[AsyncTransformer, PromptedLLM, object]:
     """The language model, the prompted potential and the regex condition over its tokens."""
     messages, regex = WORKLOADS[workload]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    llm = AsyncTransformer(model, tokenizer)
+    options = {"deterministic": True} if deterministic else {}  # genlm_backend only
+    llm = AsyncTransformer(model, tokenizer, **options)
     potential = PromptedLLM(llm)
     potential.prompt_ids = tokenizer.apply_chat_template(
         messages,
@@ -78,6 +79,26 @@ def build_critic(llm, workload: str) -> PromptedLLM:
     return critic
 
 
+async def other_workload(llm, prompt_ids, texts, seed: int, stop: asyncio.Event) -> int:
+    """Traffic beside an SMC run, on the same model, until ``stop``: batches of 1 to 8
+    contexts, each the prompt, then the start of one of ``texts`` (answers the SMC may
+    also write), then 0 to 3 random tokens, drawn by a generator of its own; returns
+    how many rows it asked for."""
+    rng = random.Random(seed)
+    pieces = [llm.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    vocab_size = len(llm.byte_vocab)
+    asked = 0
+    while not stop.is_set():
+        contexts = []
+        for _ in range(rng.randint(1, 8)):
+            piece = rng.choice(pieces)
+            tail = [rng.randrange(vocab_size) for _ in range(rng.randint(0, 3))]
+            contexts.append(list(prompt_ids) + piece[: rng.randint(0, len(piece))] + tail)
+        await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
+        asked += len(contexts)
+    return asked
+
+
 async def run_smc(
     llm,
     potential,
@@ -87,9 +108,11 @@ async def run_smc(
     max_tokens: int,
     cache_prompt: bool,
     critic=None,
+    beside: tuple[int, list[str]] | None = None,
 ) -> dict:
     """One SMC run from cold model caches (the prompt's keys/values cached first if
-    ``cache_prompt``, inside the timed span); returns its time and what it sampled."""
+    ``cache_prompt``, inside the timed span); returns its time and what it sampled.
+    ``beside``: the seed and texts of :func:`other_workload`, run alongside."""
     llm.clear_cache()
     seed_everything(seed)
     sampler = AWRS(potential, condition, seed=seed)
@@ -97,9 +120,18 @@ async def run_smc(
     if cache_prompt:
         llm.cache_kv(list(potential.prompt_ids))
     prefill_seconds = time.perf_counter() - start
+    stop = asyncio.Event()
+    other = None
+    if beside is not None:
+        other_seed, texts = beside
+        other = asyncio.create_task(
+            other_workload(llm, potential.prompt_ids, texts, other_seed, stop)
+        )
     sequences = await sampler.smc(
         n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens, critic=critic
     )
+    stop.set()
+    other_rows = 0 if other is None else await other
     seconds = time.perf_counter() - start
     tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
     return {
@@ -112,12 +144,14 @@ async def run_smc(
         ],
         "log_weights": [float(w) for w in sequences.log_weights],
         "log_ml": float(sequences.log_ml),
+        "other_rows": other_rows,
     }
 
 
 async def time_runs(args) -> dict:
-    llm, potential, condition = build_potentials(args.model_dir, args.workload)
+    llm, potential, condition = build_potentials(args.model_dir, args.workload, args.deterministic)
     critic = build_critic(llm, args.workload) if args.critic else None
+    beside = None if args.beside is None else (args.beside, BESIDE_TEXTS[args.workload])
     await run_smc(
         llm,
         potential,
@@ -138,6 +172,7 @@ async def time_runs(args) -> dict:
             args.max_tokens,
             args.cache_prompt,
             critic,
+            beside,
         )
         for seed in args.seeds
     ]
@@ -170,6 +205,15 @@ def main() -> None:
         help="cache_kv(prompt) at the start of each run (upstream's advice)",
     )
     parser.add_argument("--critic", action="store_true", help="score particles with an LLM critic")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="AsyncTransformer(deterministic=True)"
+    )
+    parser.add_argument(
+        "--beside",
+        type=int,
+        metavar="SEED",
+        help="run a second workload on the model beside each timed run, drawn with SEED",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", help="score mode: JSON list of token-id lists")
     parser.add_argument("--scores-out", help="score mode: where to save the log-probabilities")

@@ -236,3 +236,12 @@ CRITICS = {
     "email": "A plausible work email address for Jane Doe at Example Corp: ",
     "sql": "A correct SQLite query for the question above, reading one table: ",
 }
+
+BESIDE_TEXTS = {  # what the second workload of genlm_control_driver.py --beside asks about
+    "email": ["jane.doe@example.com", "jdoe@example.com", "jane@example.com"],
+    "sql": [
+        "SELECT title FROM books ORDER BY pages DESC LIMIT 5;",
+        "SELECT * FROM books WHERE genre = 'science fiction' LIMIT 5;",
+        "SELECT title, pages FROM books ORDER BY page_count DESC LIMIT 5;",
+    ],
+}

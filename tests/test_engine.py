@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import threading
 
 import pytest
@@ -110,6 +111,7 @@ def check_rows(rows, contexts) -> None:
         ({"timeout_s": float("inf")}, "timeout_s", ValueError),
         ({"timeout_s": "0.1"}, "timeout_s", TypeError),
         ({"flush_on_idle": 1}, "flush_on_idle", TypeError),
+        ({"rounds": "yes"}, "rounds", TypeError),
     ],
 )
 def test_rejects_a_bad_field_naming_it(options, field, error_type):
@@ -546,6 +548,114 @@ async def test_waiting_calls_fill_in_over_steps_and_fail_on_an_error():
     calls.settle(taken, {"z": 3})
     assert a.future.result() == [1, 2, 3]
     assert calls.stats().num_pending == 0
+
+
+# ---------------------------------------------------------------- rounds
+
+
+def completion_log(llm, calls: dict) -> tuple[list, asyncio.Future]:
+    """Start each named call (name -> context) in order; the log gets (name, steps so far) as each completes."""
+    log: list[tuple[str, int]] = []
+
+    async def call(name, context):
+        row = await llm.next_token_logprobs(context)
+        log.append((name, llm.batcher_stats.num_batches))
+        return row
+
+    tasks = [asyncio.ensure_future(call(name, context)) for name, context in calls.items()]
+    return log, asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+async def test_in_rounds_a_call_with_a_cached_row_completes_in_its_turn(rounds):
+    llm = make_llm(timeout_s=None, rounds=rounds)
+    llm.next_token_logprobs_sync([5])
+    log, done = completion_log(llm, {"a": [1, 2], "cached": [5], "c": [3]})
+    check_rows(await bounded(done), [[1, 2], [5], [3]])
+    order = [name for name, _ in log]
+    assert order == (["a", "cached", "c"] if rounds else ["cached", "a", "c"])
+    await llm.aclose()
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+async def test_a_round_cut_by_the_budget_settles_its_calls_together_in_call_order(rounds):
+    llm = make_llm(timeout_s=None, rounds=rounds, max_batch_tokens=4)
+    recording = Recording(llm, cost=len)
+    log, done = completion_log(llm, {"long": [1] * 4, "b": [2], "c": [3]})
+    check_rows(await bounded(done), [[1] * 4, [2], [3]])
+    assert recording.batches == [[(1,) * 4], [(2,), (3,)]]
+    assert log == (
+        [("long", 2), ("b", 2), ("c", 2)] if rounds else [("long", 1), ("b", 2), ("c", 2)]
+    )
+    await llm.aclose()
+
+
+async def particles_drawing(llm, num_particles: int = 6, num_steps: int = 5) -> list:
+    """Particles that, as SMC does, draw from one shared generator as each row arrives:
+    the draws, in the order they were made, with the row's bits that chose each token."""
+    rng = random.Random(0)
+    draws: list = []
+
+    async def particle(i: int) -> None:
+        context = [i + 1]
+        for _ in range(num_steps):
+            row = await llm.next_token_logprobs(context)
+            draw = rng.random()
+            token = int(
+                torch.multinomial(
+                    row.exp(), 1, generator=torch.Generator().manual_seed(int(draw * 2**31))
+                )
+            )
+            draws.append((i, draw, token))
+            context.append(token)
+
+    await asyncio.gather(*(particle(i) for i in range(num_particles)))
+    return draws
+
+
+async def traffic(llm, seed: int, contexts: list, stop: asyncio.Event) -> int:
+    """Another caller: batches of the given contexts' prefixes and random ones until ``stop``."""
+    rng = random.Random(seed)
+    num_calls = 0
+    while not stop.is_set():
+        batch = [
+            list(rng.choice(contexts)[: rng.randint(1, 6)])
+            if rng.random() < 0.7
+            else [rng.randrange(len(VOCAB)) for _ in range(rng.randint(1, 9))]
+            for _ in range(rng.randint(1, 5))
+        ]
+        await llm.batch_next_token_logprobs(batch)
+        num_calls += 1
+    return num_calls
+
+
+@pytest.mark.parametrize("compute_in_loop", [True, False])
+async def test_in_rounds_a_program_repeats_whatever_else_calls(compute_in_loop):
+    """The same draws in the same order alone and beside other traffic that warms the cache
+    with the particles' own contexts and makes the budget cut steps differently."""
+
+    def lm(rounds: bool):
+        llm = make_llm(timeout_s=None, rounds=rounds, max_batch_tokens=12)
+        llm.engine.compute_in_loop = compute_in_loop
+        return llm
+
+    alone = await bounded(particles_drawing(lm(rounds=True)))
+    contexts = [[i + 1] + [t for j, _, t in alone if j == i] for i in range(6)]
+
+    async def beside(seed: int, rounds: bool) -> list:
+        llm = lm(rounds)
+        stop = asyncio.Event()
+        other = asyncio.ensure_future(traffic(llm, seed, contexts, stop))
+        draws = await bounded(particles_drawing(llm))
+        stop.set()
+        assert await bounded(other) > 0
+        await llm.aclose()
+        return draws
+
+    for seed in range(4):
+        assert await beside(seed, rounds=True) == alone
+    if compute_in_loop:  # the same traffic reorders the draws of the default engine
+        assert any([await beside(seed, rounds=False) != alone for seed in range(4)])
 
 
 # ---------------------------------------------------------------- the backends' options

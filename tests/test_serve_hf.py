@@ -9,6 +9,8 @@ the computations are the same and the float32 bytes must be equal.
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch
 from genlm_backend.llm.hf import AsyncTransformer
 from genlm_backend.serve import RemoteLM
 from tests.conftest import build_tiny_gpt2
-from tests.serve_support import ServerProcess
+from tests.serve_support import LINE_TIMEOUT_S, ServerProcess, in_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -110,4 +112,60 @@ def test_two_clients_registering_one_adapter_name_never_get_each_other_s_rows(mo
             row = b.next_token_logprobs_sync(context + [13], "x")
             torch.testing.assert_close(row, reference.row(context + [13], first), atol=ATOL, rtol=0)
     finally:
+        server.stop()
+
+
+def test_deterministic_rows_through_the_server_ignore_another_client_s_traffic(model_dir):
+    """``serve --deterministic``: A's rows, computed while B sends batches of its own over
+    the same prompt (sharing A's steps and cache), and B's rows too, are the bits of each
+    context computed alone, from an empty cache, in this process."""
+    server = ServerProcess.cli(
+        "--backend", "hf", "--model", str(model_dir), "--port", "0", "--deterministic"
+    )
+    alone = AsyncTransformer.from_name(str(model_dir), deterministic=True)
+
+    def alone_row(context: list[int]) -> torch.Tensor:
+        alone.clear_cache()
+        return alone.next_token_logprobs_sync(context)
+
+    stop, busy = threading.Event(), threading.Event()
+
+    def other_client(prompt: list[int]) -> list:
+        rng = random.Random(1)
+        batches = []
+        with RemoteLM(server.url) as b:
+            while not stop.is_set():
+                batch = [
+                    prompt[: rng.randint(1, len(prompt))]
+                    + [rng.randrange(50257) for _ in range(rng.randint(0, 4))]
+                    for _ in range(rng.randint(1, 12))
+                ]
+                batches.append((batch, b.batch_next_token_logprobs_sync(batch)))
+                busy.set()
+        return batches
+
+    try:
+        with RemoteLM(server.url) as a:
+            prompt = a.tokenizer.encode("Particles in flight, one model, many clients")
+            thread, outcome = in_thread(other_client, prompt)
+            assert busy.wait(LINE_TIMEOUT_S), outcome
+            contexts = [prompt + [token] for token in range(6)]
+            for _ in range(3):
+
+                async def step(contexts=contexts):
+                    return await asyncio.gather(*map(a.next_token_logprobs, contexts))
+
+                rows = asyncio.run(step())
+                for context, row in zip(contexts, rows):
+                    assert torch.equal(row, alone_row(context)), context
+                contexts = [c + [int(row.argmax())] for c, row in zip(contexts, rows)]
+            stop.set()
+            thread.join(LINE_TIMEOUT_S)
+            assert "error" not in outcome, outcome
+            for batch, rows in outcome["result"][-2:]:
+                for context, row in zip(batch, rows):
+                    assert torch.equal(row, alone_row(context)), context
+    finally:
+        stop.set()
+        alone.close()
         server.stop()

@@ -80,6 +80,9 @@ class AsyncLM:
             no count limit, a batch takes every waiting context within ``max_batch_tokens``.
         timeout_s: Most seconds a request waits for company before its batch goes
             (``None``: no limit; batches go when the event loop is idle).
+        rounds: Calls complete in the order they were made, whatever the
+            cache holds and whoever else calls (``rounds`` of
+            :class:`~genlm_backend.llm.engine.BatchingConfig`).
         max_batch_tokens: Most tokens per model batch, as the runner counts them
             (the part of each context it computes); ``None`` for no budget. A
             longer context goes alone.
@@ -104,6 +107,7 @@ class AsyncLM:
         *,
         batch_size: int | None = None,
         timeout_s: float | None = 0.02,
+        rounds: bool = False,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         max_context_length: int | None = None,
@@ -114,7 +118,10 @@ class AsyncLM:
         output_cache_views: bool = True,
     ):
         self.batching = BatchingConfig(
-            max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, timeout_s=timeout_s
+            max_batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens,
+            timeout_s=timeout_s,
+            rounds=rounds,
         )
         if cpu_threads not in (None, "auto"):
             raise ValueError(f'cpu_threads must be "auto" or None, got {cpu_threads!r}')

@@ -86,6 +86,15 @@ class BatchingConfig:
     rest wait for the next step. A request bigger than ``max_batch_tokens``
     goes alone.
 
+    With ``rounds``, the calls taken together are a *round*: the engine
+    computes everything they need, in as many steps as the budget takes, and
+    only then settles them, all at once, in the order they were made. A call
+    whose rows are all cached joins the next round too, and calls made while
+    a round computes wait for the next one. Callers then resume in the order
+    they called, whatever the cache held, however the budget cut the steps
+    and whatever other callers asked meanwhile: with ``timeout_s=None``, a
+    program that draws random numbers as its awaits complete repeats itself.
+
     Attributes:
         max_batch_size: Most requests per step; ``None`` for no count limit.
         max_batch_tokens: Most tokens per step, by the runner's count (see
@@ -94,10 +103,12 @@ class BatchingConfig:
         timeout_s: Most seconds a call waits for company before it is taken;
             ``None``: no limit (needs ``flush_on_idle``).
         flush_on_idle: Take the waiting calls as soon as a full event-loop pass added none.
+        rounds: Settle the calls taken together at once, in the order they
+            were made, cached ones included (see above).
 
     Raises:
         TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that
-            is not a number, a ``flush_on_idle`` that is not a bool.
+            is not a number, a ``flush_on_idle`` or ``rounds`` that is not a bool.
         ValueError: a limit < 1, a ``timeout_s`` < 0 or not finite, or ``None``
             without ``flush_on_idle``. Either message names the field and the value given.
     """
@@ -106,6 +117,7 @@ class BatchingConfig:
     max_batch_tokens: int | None = None
     timeout_s: float | None = 0.02
     flush_on_idle: bool = True
+    rounds: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens"):
@@ -116,8 +128,9 @@ class BatchingConfig:
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
-        if not isinstance(self.flush_on_idle, bool):
-            raise TypeError(f"flush_on_idle must be a bool, got {self.flush_on_idle!r}")
+        for name in ("flush_on_idle", "rounds"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         timeout_s = self.timeout_s
         if timeout_s is None:
             if not self.flush_on_idle:
@@ -275,10 +288,12 @@ class WaitingCalls(Generic[K]):
 
     def settle(self, calls: Sequence[Call[K]], found: dict) -> None:
         """Give each call the values ``found`` has for its keys (an exception fails the call):
-        the calls taken, and those that came while they computed. A call still missing some
-        keys waits; the calls taken go back ahead of the others."""
+        the calls taken, and those that came while they computed (not in rounds: they wait
+        for theirs). A call still missing some keys waits; the calls taken go back ahead of
+        the others."""
         self.computing = []
-        live = [call for call in [*calls, *self._calls] if not call.future.done()]
+        later = [] if self.config.rounds else list(self._calls)
+        live = [call for call in [*calls, *later] if not call.future.done()]
         self.counts["cancelled"] += sum(call.future.cancelled() for call in calls)
         receivers = collections.Counter(
             key for call in live for key in call.missing() if key in found
@@ -295,6 +310,10 @@ class WaitingCalls(Generic[K]):
                 call.future.set_result(call.values)
             else:
                 waiting.append(call)
+        if self.config.rounds:  # the calls made meanwhile wait for their round
+            self._calls.extendleft(reversed(waiting))  # none: a round computes all its calls miss
+            self._num_keys += sum(call.num_missing for call in waiting)
+            return
         self._calls = collections.deque(waiting)
         self._num_keys = sum(call.num_missing for call in waiting)
         if waiting:
@@ -602,7 +621,7 @@ class Engine:
         """
         rows = self.cached_rows(requests)
         missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
+        if missing or self.config.rounds:
             computed = await self.computed([requests[i] for i in missing])
             for i, row in zip(missing, computed):
                 rows[i] = row
@@ -618,12 +637,12 @@ class Engine:
         cached row, no other caller handed them): the caller may then keep them uncopied."""
         rows = self.cached_rows(requests)
         missing = [i for i, row in enumerate(rows) if row is None]
-        if not missing:
+        if not missing and not self.config.rounds:
             return rows, False  # type: ignore[return-value]  # no None left
         computed, is_sole = await self._wait([requests[i] for i in missing])
         for i, row in zip(missing, computed):
             rows[i] = row
-        return rows, is_sole and len(missing) == len(rows)  # type: ignore[return-value]
+        return rows, is_sole and len(missing) == len(rows) > 0  # type: ignore[return-value]
 
     async def scores(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Each request's scores, ``float32 [len(continuation)]``, computed by a step; as :meth:`rows`."""
@@ -703,16 +722,18 @@ class Engine:
                 if not taken:
                     continue
                 todo = calls.missing(taken)
-                if self.compute_in_loop:
-                    outcome = self.step(todo)
-                else:
-                    outcome = await asyncio.get_running_loop().run_in_executor(
-                        self._worker_thread(), self.step, todo
-                    )
-                calls.count_step(outcome)
-                calls.settle(taken, outcome.found)
+                found: dict = {}
+                while todo:
+                    outcome = await self._step(todo)
+                    calls.count_step(outcome)
+                    found.update(outcome.found)
+                    del outcome
+                    if not self.config.rounds:
+                        break  # the rest wait for the next step, with whatever came meanwhile
+                    todo = [key for key in todo if key not in found]
+                calls.settle(taken, found)
                 # Rows (lent memory, say) live no longer than their callers.
-                del taken, todo, outcome
+                del taken, todo, found
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError("this loop's queue was closed"))
             raise
@@ -723,6 +744,14 @@ class Engine:
             state.error = exc
             calls.fail_all(_died(exc))
             raise
+
+    async def _step(self, todo: list[Request | ScoreRequest]) -> StepOutcome:
+        """:meth:`step`, in the loop's thread or the worker's (:attr:`compute_in_loop`)."""
+        if self.compute_in_loop:
+            return self.step(todo)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker_thread(), self.step, todo
+        )
 
     def step(self, todo: list[Request | ScoreRequest]) -> StepOutcome:
         """Compute the first of the distinct requests ``todo`` that one batch holds.

@@ -85,8 +85,9 @@ class MockAsyncLM(AsyncLM):
     Args:
         tokenizer: A Hugging Face tokenizer, or ``None`` with ``byte_vocab`` given.
         byte_vocab: The vocabulary, when no tokenizer is at hand.
-        deterministic: Steps go when the event loop is idle, never on the clock
-            (a mock's rows depend on their context alone either way).
+        deterministic: Steps go when the event loop is idle, never on the
+            clock, and calls complete in the order they were made (a mock's
+            rows depend on their context alone either way).
         **kwargs: :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -97,7 +98,7 @@ class MockAsyncLM(AsyncLM):
         if tokenizer is None and byte_vocab is None:
             raise ValueError("MockAsyncLM needs a tokenizer or a byte_vocab")
         if deterministic:
-            kwargs["timeout_s"] = None
+            kwargs.update(timeout_s=None, rounds=True)
         super().__init__(tokenizer, byte_vocab=byte_vocab, **kwargs)
         self.runner = MockRunner(self.vocab_size, self.device)
 

@@ -48,7 +48,10 @@ class AsyncTransformer(AsyncLM):
             alone from an empty cache, whatever shares its batch and whatever
             the cache holds (:mod:`~genlm_backend.llm.hf.exact`); steps go when
             the event loop is idle, never on the clock (``timeout`` is ignored);
-            the thread count is fixed (``cpu_threads`` is ignored).
+            calls complete in the order they were made, whatever the cache
+            holds and whoever else calls (``rounds`` of
+            :class:`~genlm_backend.llm.engine.BatchingConfig`); the thread
+            count is fixed (``cpu_threads`` is ignored).
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
 
     Raises:
@@ -82,6 +85,7 @@ class AsyncTransformer(AsyncLM):
             hf_tokenizer,
             batch_size=batch_size,
             timeout_s=None if deterministic else timeout,
+            rounds=deterministic,
             output_cache_bytes=output_cache_bytes,
             device=hf_model.device,
             cpu_threads=None if deterministic else cpu_threads,
