@@ -4,7 +4,8 @@ Reference: the row of the same context computed by a fresh deterministic
 runner over an empty tree, alone in its batch. Every comparison is
 ``torch.equal``: bitwise, no tolerance. Hypothesis generates batches and
 cache histories (shared prompts read as levels, particles stepping in
-place, resampling, nested contexts, scoring, eviction under tiny budgets);
+place, resampling, nested contexts, scoring, eviction under tiny budgets,
+LoRA adapters mixed in one batch);
 CI runs few examples, ``GENLM_EXACT_EXAMPLES=200`` more.
 """
 
@@ -223,6 +224,74 @@ def test_any_history_gives_the_rows_computed_alone(tiny, history):
 @given(history=histories())
 def test_any_history_gives_the_rows_computed_alone_in_bfloat16(tiny_bf16, history):
     check_history(tiny_bf16, history)
+
+
+ADAPTERS = (None, "left", "right")
+
+
+@pytest.fixture(scope="module")
+def adapted(smollm2_tokenizer, tmp_path_factory):
+    """A factory of deterministic LMs holding two LoRA adapters of the tiny model, and each
+    (context, adapter)'s row computed alone from an empty cache by another such LM."""
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
+    vocab_size = len(smollm2_tokenizer)
+    folder = tmp_path_factory.mktemp("exact-adapters")
+    paths = {}
+    for seed, name in enumerate(ADAPTERS[1:]):
+        config = peft.LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+        )
+        model = peft.get_peft_model(build_tiny_llama(vocab_size), config)
+        generator = torch.Generator().manual_seed(20 + seed)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if "lora_B" in parameter_name:  # peft may start B at zero: make it count
+                    parameter.normal_(0.0, 0.5, generator=generator)
+        model.save_pretrained(folder / name)
+        paths[name] = str(folder / name)
+
+    def new_llm(**opts) -> AsyncTransformer:
+        llm = exact_llm(build_tiny_llama(vocab_size), smollm2_tokenizer, **opts)
+        for name, path in paths.items():
+            llm.add_new_lora(path, name)
+        return llm
+
+    reference = new_llm()
+    rows: dict = {}
+
+    def alone(context, adapter) -> torch.Tensor:
+        key = (tuple(context), adapter)
+        if key not in rows:
+            reference.clear_cache()
+            rows[key] = reference.next_token_logprobs_sync(list(context), adapter)
+        return rows[key]
+
+    probe = list(range(1, 40))
+    assert not torch.equal(alone(probe, "left"), alone(probe, None))  # the adapters change rows
+    assert not torch.equal(alone(probe, "left"), alone(probe, "right"))
+    yield new_llm, alone
+    reference.close()
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(history=histories(), data=st.data())
+def test_any_history_under_adapters_gives_the_rows_computed_alone(adapted, history, data):
+    """Batches mixing the base model and two LoRA adapters (each its own keys/values)."""
+    new_llm, alone = adapted
+    batches, budget = history
+    named = [[(c, data.draw(st.sampled_from(ADAPTERS))) for c in batch] for batch in batches]
+    llm = new_llm(kv_cache_bytes=budget)
+
+    async def run():
+        for batch in named:
+            rows = await asyncio.gather(*(llm.next_token_logprobs(c, a) for c, a in batch))
+            for row, (context, adapter) in zip(rows, batch):
+                assert torch.equal(row, alone(context, adapter)), (len(context), adapter)
+
+    asyncio.run(run())
+    llm.close()
 
 
 def check_history(tiny, history) -> None:
