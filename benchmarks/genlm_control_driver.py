@@ -80,9 +80,9 @@ def build_critic(llm, workload: str) -> PromptedLLM:
 
 
 async def other_workload(llm, prompt_ids, texts, seed: int, stop: asyncio.Event) -> int:
-    """Traffic beside an SMC run, on the same model, until ``stop``: batches of 1 to 8
+    """Traffic beside an SMC run, on the same model, until ``stop``: batches of 1 to 4
     contexts, each the prompt, then the start of one of ``texts`` (answers the SMC may
-    also write), then 0 to 3 random tokens, drawn by a generator of its own; returns
+    also write), then 0 or 1 random token, drawn by a generator of its own; returns
     how many rows it asked for."""
     rng = random.Random(seed)
     pieces = [llm.tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -90,9 +90,9 @@ async def other_workload(llm, prompt_ids, texts, seed: int, stop: asyncio.Event)
     asked = 0
     while not stop.is_set():
         contexts = []
-        for _ in range(rng.randint(1, 8)):
+        for _ in range(rng.randint(1, 4)):
             piece = rng.choice(pieces)
-            tail = [rng.randrange(vocab_size) for _ in range(rng.randint(0, 3))]
+            tail = [rng.randrange(vocab_size) for _ in range(rng.randint(0, 1))]
             contexts.append(list(prompt_ids) + piece[: rng.randint(0, len(piece))] + tail)
         await asyncio.gather(*(llm.next_token_logprobs(context) for context in contexts))
         asked += len(contexts)
