@@ -237,34 +237,29 @@ def _own_blocks(
     )
 
 
+def _scores(queries: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Float32 ``queries @ keys^T (+ bias)``, ``[..., M, n]``: one product over every key (a
+    score's bits do not depend on how many keys the product has)."""
+    scores = (queries @ keys.transpose(-1, -2)).float()
+    return scores if bias is None else scores + bias
+
+
 def _block_partials(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each key block's max score, sum of weights and weighted values (unnormalized), per query.
+    scores: torch.Tensor, values: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each key block's sum of weights and weighted values, per query, weights ``exp(score - top)``.
 
-    ``queries``: ``[..., M, D]``, scaled (``M >= MIN_ROWS``); ``keys``/``values``:
-    ``[..., n, D]``, ``n`` a multiple of :data:`BLOCK_TOKENS`; ``bias``:
-    broadcastable to ``[..., M, n]``. Returns float32 ``[..., nb, M]``,
-    ``[..., nb, M]``, ``[..., nb, M, D]``. A block with no visible key gives
-    ``-inf, 0, 0``.
-
-    The scores of all blocks come from one product (a score's bits do not
-    depend on how many keys the product has); the weighted values from one
-    product per block (the sum over a block's keys must not depend on the
-    others).
+    ``scores``: ``[..., M, n]`` (:func:`_scores`), ``n`` a multiple of
+    :data:`BLOCK_TOKENS`; ``values``: ``[..., n, D]``; ``top``: ``[..., M]``,
+    each query's highest score over all the keys it sees, wherever they are
+    held (an exact maximum, whatever the order). Returns float32
+    ``[..., nb, M]`` and ``[..., nb, M, D]``; a block with no visible key
+    gives zeros. The weighted values come from one product per block (the
+    sum over a block's keys must not depend on the others).
     """
     b = BLOCK_TOKENS
-    scores = (queries @ keys.transpose(-1, -2)).float()
-    if bias is not None:
-        scores = scores + bias
-    blocks = scores.unflatten(-1, (-1, b))  # [..., M, nb, b]
-    block_max = blocks.amax(-1)
-    safe_max = torch.where(block_max == -torch.inf, 0.0, block_max)
-    # [..., nb, M, b], each block's weights together for its product
-    weights = exp_of_difference(blocks.transpose(-3, -2), safe_max.transpose(-1, -2)[..., None])
+    blocks = scores.unflatten(-1, (-1, b)).transpose(-3, -2)  # [..., nb, M, b]
+    weights = exp_of_difference(blocks, top[..., None, :, None])
     # The product's operands in one memory layout whatever their source (a level's view,
     # gathered own values): torch's bfloat16 products sum in another order otherwise.
     cast = weights.to(values.dtype)
@@ -274,7 +269,7 @@ def _block_partials(
             torch.matmul(cast[head], values[head].unflatten(0, (-1, b)), out=out[head])
     else:
         out = cast @ values.contiguous().unflatten(-2, (-1, b))  # [..., nb, b, D]
-    return block_max.transpose(-1, -2), weights.sum(-1), out.float()
+    return weights.sum(-1), out.float()
 
 
 def exact_attention(
@@ -287,6 +282,11 @@ def exact_attention(
     own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention whose result for a query depends only on that query and its context's keys.
+
+    Every score is computed first, wherever its key is held (the row's own
+    part, levels shared with other rows), so that each query's weights are
+    ``exp(score - top)`` with ``top`` its highest score over its whole context;
+    then each block's weighted values, merged over blocks in a fixed tree.
 
     Args:
         layer: Index of the attention layer (which of each level's tensors to read).
@@ -318,55 +318,61 @@ def exact_attention(
     grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim) * scale
     padded = pad_rows(grouped)  # [B, Hkv, M, D]
 
-    # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
-    block_max = torch.full(
-        (num_rows, num_blocks, num_kv_heads, num_queries), -torch.inf, device=query.device
-    )
-    block_sum = torch.zeros_like(block_max)
-    block_out = torch.zeros(
-        (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), device=query.device
-    )
-
-    # the rows' own parts, each gathered from its slots into whole blocks
+    # every score first: the rows' own keys (gathered into whole blocks), then each level's,
+    # read once for all the rows that read it (their queries go in together)
     own_keys, own_values = _own_blocks(key, value, layout) if own is None else own
     seen = layout.own_index.shape[1]
-    m, s, o = _block_partials(
-        padded, own_keys[:, :, :seen], own_values[:, :, :seen], layout.own_bias
-    )
-    # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
-    at = layout.own_block_rows()
-    flat = (num_rows * num_blocks, num_kv_heads, num_queries)
-    block_max.view(flat).index_copy_(0, at, m[..., :num_queries].transpose(1, 2).flatten(0, 1))
-    block_sum.view(flat).index_copy_(0, at, s[..., :num_queries].transpose(1, 2).flatten(0, 1))
-    block_out.view(*flat, head_dim).index_copy_(
-        0, at, o[..., :num_queries, :].transpose(1, 2).flatten(0, 1)
-    )
-
-    # each level once for all the rows that read it: their queries go in together
+    own_scores = _scores(padded, own_keys[:, :, :seen], layout.own_bias)  # [B, Hkv, M', S']
+    top = own_scores[:, :, :num_queries].amax(-1)  # [B, Hkv, M]
+    shared = []
     for level, first in layout.levels:
         level_keys, level_values = level.keys_values(layer)  # [1, Hkv, n, D]
         readers = grouped if level.rows is None else grouped.index_select(0, level.rows)
         num_readers = readers.shape[0]
-        together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M, D]
-        m, s, o = _block_partials(together, level_keys[0], level_values[0], None)
-        nb = m.shape[1]
+        together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M', D]
+        scores = _scores(together, level_keys[0], None)
+        level_top = scores[:, : num_readers * num_queries].amax(-1)  # [Hkv, R * M]
+        level_top = level_top.unflatten(1, (num_readers, num_queries)).transpose(0, 1)
+        if level.rows is None:
+            top = torch.maximum(top, level_top)
+        else:
+            top.index_copy_(
+                0, level.rows, torch.maximum(top.index_select(0, level.rows), level_top)
+            )
+        shared.append((level, first, num_readers, scores, level_values[0]))
+    top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding) gets zeros
+
+    # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
+    block_sum = query.new_zeros(
+        (num_rows, num_blocks, num_kv_heads, num_queries), dtype=torch.float32
+    )
+    block_out = query.new_zeros(
+        (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), dtype=torch.float32
+    )
+    s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
+    # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
+    at = layout.own_block_rows()
+    flat = (num_rows * num_blocks, num_kv_heads, num_queries)
+    block_sum.view(flat).index_copy_(0, at, s[..., :num_queries].transpose(1, 2).flatten(0, 1))
+    block_out.view(*flat, head_dim).index_copy_(
+        0, at, o[..., :num_queries, :].transpose(1, 2).flatten(0, 1)
+    )
+    for level, first, num_readers, scores, values in shared:
+        readers_top = top if level.rows is None else top.index_select(0, level.rows)
+        together_top = pad_rows(readers_top.transpose(0, 1).flatten(1, 2), dim=-1)  # [Hkv, R * M']
+        s, o = _block_partials(scores, values, together_top)
+        nb = s.shape[1]
         # [Hkv, nb, R * M, ...] -> [R, nb, Hkv, M, ...]
-        m = m[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         span = slice(first, first + nb)
         rows = slice(None) if level.rows is None else level.rows
-        block_max[rows, span] = m.permute(2, 1, 0, 3)
         block_sum[rows, span] = s.permute(2, 1, 0, 3)
         block_out[rows, span] = o.permute(2, 1, 0, 3, 4)
 
-    # merge: blocks past a query's keys weigh exact zeros, and sums do not group by the block count
-    top = block_max.amax(1, keepdim=True)
-    top = torch.where(top == -torch.inf, 0.0, top)
-    shares = exp_of_difference(block_max, top)
-    total = sum_in_halves(block_sum * shares, 1)[..., None]
-    out = sum_in_halves(block_out * shares[..., None], 1)
-    out = out / torch.where(total > 0, total, 1.0)
+    # merge: blocks past a query's keys add exact zeros, and sums do not group by the block count
+    total = sum_in_halves(block_sum, 1)[..., None]
+    out = sum_in_halves(block_out, 1) / torch.where(total > 0, total, 1.0)
     # [B, Hkv, g * L, D] -> [B, L, Hq, D]
     out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
     return out.to(query.dtype)
