@@ -91,7 +91,8 @@ def main() -> None:
         from genlm_backend.models import default_model_dir
 
         args.model_dir = str(default_model_dir())
-    summary = {}
+    summary: dict = {}
+    by_mode: dict[str, set] = {}
     for setup in args.setups:
         runs = []
         for repeat in range(args.repeats):
@@ -104,6 +105,7 @@ def main() -> None:
                 flush=True,
             )
         outcomes = [outcome(run) for run in runs]
+        by_mode.setdefault(setup.split("+")[0], set()).update(outcomes)
         summary[setup] = {
             "runs": len(runs),
             "distinct_outcomes": len(set(outcomes)),
@@ -112,6 +114,8 @@ def main() -> None:
             "seconds": [round(run["seconds"], 2) for run in runs],
             "rows_beside": [run["other_rows"] for run in runs],
         }
+    # one mode's runs alone and beside the second workload, taken together
+    summary["distinct_outcomes_by_mode"] = {mode: len(seen) for mode, seen in by_mode.items()}
     text = json.dumps(summary, indent=1)
     print(text)
     if args.json:

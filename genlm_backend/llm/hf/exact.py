@@ -189,16 +189,19 @@ class ExactLayout:
         first_blocks = torch.tensor(splits) // b
         own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
         placed = []
+        levels_end = 0  # the block after the last level's
         # levels come in the order of planner.level_readers; a level's first key is its entry's offset
         for level, ((entry, n), _) in zip(levels, planner.level_readers(plan.rows), strict=True):
             assert entry.offset % b == 0 and n % b == 0, "levels span whole blocks"
             placed.append((level, entry.offset // b))
-        num_blocks = int(own_blocks[:, -1].max()) + 1
+            levels_end = max(levels_end, (entry.offset + n) // b)
 
         def layout(first: int, end: int, chunks=()) -> ExactLayout:
             # own key j is visible to position t only if j <= own past + t: later blocks are left out
             seen = -(-(max(row.num_own_past for row in plan.rows) + end) // b) * b
             seen = min(seen, num_own_blocks * b) if not chunks else num_own_blocks * b
+            # blocks past the last one seen would add exact zeros to the merge: left out too
+            num_blocks = max(int(own_blocks[:, seen // b - 1].max()) + 1, levels_end)
             part = bias[:, None, first:end, :seen].expand(-1, num_groups, -1, -1)
             # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
             part = pad_rows(part.flatten(1, 2), dim=1)  # [B, M, S]
