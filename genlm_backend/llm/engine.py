@@ -14,8 +14,10 @@ A *call* is one caller's requests (one context for ``next_token_logprobs``, all
 of them for a batch call) with one future. Everything that is not the
 caller's own is done per step: a step takes every waiting call, finds the
 distinct requests they still need, cuts them to the budget, and settles
-each call once. The ``*_now`` methods run the same computation in the
-calling thread, for the synchronous API.
+each call once. With ``BatchingConfig.rounds`` (deterministic backends), the
+calls taken together are settled together, once every step they need has
+run, in the order they were made. The ``*_now`` methods run the same
+computation in the calling thread, for the synchronous API.
 
 Thread model: by default a step runs in the event loop's own thread. A
 process whose torch work all runs in one thread keeps one OpenMP team, whose

@@ -11,7 +11,9 @@ What makes a row depend on its neighbours in a plain forward pass, and what this
   blocks whose size depends on the number of keys and queries, and the
   runner's cascade merges a cached prefix with the rest at the prefix's
   end. :func:`exact_attention` splits every query's keys at fixed positions
-  (``0, b, 2b, ...``, ``b = BLOCK_TOKENS``), computes each block with the
+  (``0, b, 2b, ...``, ``b = BLOCK_TOKENS``), weighs every key by
+  ``exp(score - top)``, ``top`` the query's highest score over its whole
+  context (an exact maximum, whatever the order), computes each block with the
   same products (16 query rows or more, ``b`` keys, masked keys weighing an
   exact zero, operands in one memory layout), and merges the blocks with sums
   of a fixed shape (:func:`sum_in_halves`). A block is computed from wherever
