@@ -273,7 +273,7 @@ def _block_partials(
         for head in range(values.shape[0]):
             torch.matmul(cast[head], values[head].unflatten(0, (-1, b)), out=out[head])
     else:
-        out = cast @ values.contiguous().unflatten(-2, (-1, b))  # [..., nb, b, D]
+        out = cast @ values.contiguous().unflatten(-2, (-1, b))  # [..., nb, M, D]
     return weights.sum(-1), out.float()
 
 
