@@ -52,6 +52,23 @@ def default_model_dir() -> str:
     return str(model_dir())
 
 
+def driver_options(
+    model_dir: str, workload: str, particles: int, max_tokens: int, critic: bool = False
+) -> list[str]:
+    """The driver's options of one workload shape (after its mode)."""
+    return [
+        "--model-dir",
+        model_dir,
+        "--workload",
+        workload,
+        "--particles",
+        str(particles),
+        "--max-tokens",
+        str(max_tokens),
+        *(["--critic"] if critic else []),
+    ]
+
+
 def drive(python: str, args: list[str]) -> dict:
     """Run the driver under ``python``; returns its JSON line.
 
@@ -185,17 +202,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model_dir = args.model_dir or default_model_dir()
     pythons = {"upstream": args.upstream_python, "ours": args.ours_python}
-    common = [
-        "--model-dir",
-        model_dir,
-        "--workload",
-        args.workload,
-        "--particles",
-        str(args.particles),
-        "--max-tokens",
-        str(args.max_tokens),
-        *(["--critic"] if args.critic else []),
-    ]
+    common = driver_options(model_dir, args.workload, args.particles, args.max_tokens, args.critic)
     results = timed_repeats(pythons, common, args.seeds, args.repeats)
     summary = summarize(results, args.seeds, args.workload)
     print(f"{args.workload}: prompt of {summary['prompt_tokens']} tokens", file=sys.stderr)

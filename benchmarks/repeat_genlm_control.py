@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+from bench_genlm_control import default_model_dir, drive, driver_options
 
 SETUPS = {
     "default": [],
@@ -51,26 +50,8 @@ def one_run(args, setup: str, repeat: int) -> dict:
     flags = list(SETUPS[setup])
     if "--beside" in flags:
         flags.insert(flags.index("--beside") + 1, str(1 + repeat))
-    command = [
-        args.python,
-        str(HERE / "genlm_control_driver.py"),
-        "time",
-        "--model-dir",
-        args.model_dir,
-        "--workload",
-        args.workload,
-        "--particles",
-        str(args.particles),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--seeds",
-        str(args.seed),
-        *flags,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{setup} run {repeat} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.splitlines()[-1])["runs"][0]
+    options = driver_options(args.model_dir, args.workload, args.particles, args.max_tokens)
+    return drive(args.python, ["time", *options, "--seeds", str(args.seed), *flags])["runs"][0]
 
 
 def main() -> None:
@@ -88,9 +69,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the summary here")
     args = parser.parse_args()
     if args.model_dir is None:
-        from genlm_backend.models import default_model_dir
-
-        args.model_dir = str(default_model_dir())
+        args.model_dir = default_model_dir()
     summary: dict = {}
     by_mode: dict[str, set] = {}
     for setup in args.setups:
