@@ -147,12 +147,12 @@ def graph_step_seconds(model, args, particles: int, steps: int) -> tuple[float, 
     return (time.perf_counter() - start) / steps, how
 
 
-def runner_steps(model, args, particles, steps, prompt, own, warm_up) -> dict:
+def runner_steps(model, args, particles, steps, prompt, own, warm_up, deterministic=False) -> dict:
     """ours-runner: the HF runner called directly, one batch per step."""
     from genlm_backend.llm.hf import AsyncTransformer
 
     vocab = [b"<%d>" % i for i in range(model.config.get_text_config().vocab_size)]
-    llm = AsyncTransformer(model, None, byte_vocab=vocab)
+    llm = AsyncTransformer(model, None, byte_vocab=vocab, deterministic=deterministic)
     runner = llm.runner
     warm_prompt, warm_own = warm_up
     for step in range(2):
@@ -176,15 +176,20 @@ def runner_steps(model, args, particles, steps, prompt, own, warm_up) -> dict:
     }
 
 
-def ours_steps(model, args, particles, steps, prompt, own, warm_up, in_loop=False) -> dict:
+def ours_steps(
+    model, args, particles, steps, prompt, own, warm_up, in_loop=False, deterministic=False
+) -> dict:
     """ours: awaited requests; on CUDA also the GPU-busy fraction of a few steps.
 
     ``in_loop``: batches run in the event loop's thread (``compute_in_loop=True``).
+    ``deterministic``: ``deterministic=True`` (no busy fraction measured).
     """
     from genlm_backend.llm.hf import AsyncTransformer
 
     vocab = [b"<%d>" % i for i in range(model.config.get_text_config().vocab_size)]
-    llm = AsyncTransformer(model, None, byte_vocab=vocab, compute_in_loop=in_loop)
+    llm = AsyncTransformer(
+        model, None, byte_vocab=vocab, compute_in_loop=in_loop, deterministic=deterministic
+    )
     warm_prompt, warm_own = warm_up
 
     async def step(contexts) -> None:
@@ -201,7 +206,7 @@ def ours_steps(model, args, particles, steps, prompt, own, warm_up, in_loop=Fals
         synchronize(args.device)
         step_s = (time.perf_counter() - start) / steps
         busy = None
-        if args.device.startswith("cuda"):
+        if args.device.startswith("cuda") and not deterministic:
             busy = await gpu_busy_fraction(step, [prompt + o for o in own], args.device)
         return step_s, busy
 
@@ -238,7 +243,16 @@ def measure(model, args, workload: str) -> dict:
         prompt_attention_seconds(model, args, particles, steps, prompt_tokens, captured=True)
         / steps
     )
+    exact = {}
+    if args.deterministic:
+        exact = {
+            "runner_exact": runner_steps(model, args, particles, steps, prompt, own, warm_up, True),
+            "ours_exact": ours_steps(
+                model, args, particles, steps, prompt, own, warm_up, True, True
+            ),
+        }
     return {
+        **exact,
         "workload": workload,
         "bytes": parts,
         "bandwidth": bandwidth,
@@ -273,6 +287,15 @@ def report(result: dict) -> None:
         ("ours, batches in the loop's thread", result["ours_in_loop"]["step_s"]),
     ):
         print(f"| {name} | {seconds * ms:.2f} | {seconds / limit:.2f}x |")
+    if "runner_exact" in result:
+        for name, exact, default in (
+            ("ours-runner", result["runner_exact"], runner),
+            ("ours, batches in the loop's thread", result["ours_exact"], result["ours_in_loop"]),
+        ):
+            print(
+                f"| {name}, deterministic=True | {exact['step_s'] * ms:.2f} | "
+                f"{exact['step_s'] / limit:.2f}x ({exact['step_s'] / default['step_s']:.2f}x the default) |"
+            )
     print(
         f"ours-runner: first step {runner['first_step_s'] * ms:.1f} ms (captures included); "
         f"{runner['captures']} captures, {runner['replays']} replays"
@@ -293,6 +316,11 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", help="model folder (default: the default model)")
     parser.add_argument("--random-weights", type=Path, help="config folder: random weights")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also ours-runner and ours (loop's thread) with deterministic=True",
+    )
     args = parser.parse_args(argv)
 
     import torch

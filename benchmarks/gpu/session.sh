@@ -4,11 +4,11 @@
 #
 #     bash benchmarks/gpu/session.sh        (carry [".whl"], timeout_s 590)
 #
-# Each part has its own time limit and its own log under $OUT, so a part that fails or
-# runs over leaves the others' figures; no part runs past DEADLINE seconds from the
+# Each part has its own time limit and its own log under $OUT (its output also streams
+# as it is printed), so a part that fails or runs over leaves the others' figures; no part runs past DEADLINE seconds from the
 # start (a part's limit shrinks to what is left; one with under 20 s left is skipped).
-# PARTS="step_8b step_1b" runs only the parts named.
-# Parts run in the order of what matters most.
+# PARTS="exact_rows step_1b" runs only the parts named, in that order; by default all
+# run, in the order of what matters most (ORDER below).
 # Shapes: benchmarks/gpu/configs (random weights, architectures of the real models).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +24,6 @@ DEADLINE=${DEADLINE:-560}
 part() {  # part NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, report its end
     local name=$1 limit=$2
     shift 2
-    [[ -z ${PARTS:-} || " $PARTS " == *" $name "* ]] || return 0
     local left=$((DEADLINE - (SECONDS - START)))
     if ((left < 20)); then
         echo "== $name: skipped, $left s left of $DEADLINE"
@@ -32,45 +31,73 @@ part() {  # part NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, report i
     fi
     ((limit > left)) && limit=$left
     local began=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
+    echo "== $name: started (limit $limit s)"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc after $((SECONDS - began)) s (limit $limit s, $((SECONDS - START)) s in all)"
-    tail -n 25 "$OUT/$name.log"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# Preflight: the library and the model classes import before anything long runs.
+python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
 # Captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
-part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
-    tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py
+tests() {
+    part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
+        tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py
+}
+# deterministic=True on the device: a row's bits against the row computed alone.
+exact_rows() {
+    part exact_rows 60 python3 benchmarks/gpu/exact_rows.py --device cuda \
+        --random-weights $CONFIGS/smollm2_135m $CONFIGS/llama3_2_1b
+}
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
-part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300
+sampling() { part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300; }
 # A batch call's auto-batching over its runner on this host's CPU (no model: the per-key cost).
-part batch_call 30 python3 benchmarks/bench_batch_call.py --vocab 128256 --repeats 200
-# R (the bandwidth limit), G (an engine step), ours-runner and ours, one process per workload.
-part step_8b 170 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096
-part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/llama3_2_1b --workloads 64x32@4096
+batch_call() { part batch_call 30 python3 benchmarks/bench_batch_call.py --vocab 128256 --repeats 200; }
+# R (the bandwidth limit), G (an engine step), ours-runner and ours, one process per workload;
+# and ours-runner and ours with deterministic=True.
+step_8b() {
+    part step_8b 170 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096 --deterministic
+}
+step_1b() {
+    part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_2_1b --workloads 64x32@4096 --deterministic
+}
 # serve's GPU leg: 4 clients x 16 particles against one process of 64, 1B shape.
-part serve_1b 150 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
-    --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
-    --setups in-process served --runs ${SERVE_RUNS:-2} --repeats 10
+serve_1b() {
+    part serve_1b 150 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
+        --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
+        --setups in-process served --runs ${SERVE_RUNS:-2} --repeats 10
+}
 # The same against an earlier commit in turns, when the call carries its checkout:
 #     git worktree add .baseline <commit>, then carry [".whl", ".baseline"].
-if [[ -d .baseline ]]; then
+serve_1b_paired() {
+    [[ -d .baseline ]] || return 0
     part serve_1b_paired 330 python3 benchmarks/bench_serve.py --random-weights $CONFIGS/llama3_2_1b \
         --device cuda --dtype bfloat16 --prompt-tokens 1024 --steps 32 \
         --setups in-process served served-before --baseline-tree .baseline \
         --runs ${SERVE_RUNS:-2} --repeats 10
-fi
-part step_smollm2 45 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/smollm2_135m --workloads 32x16@64
+}
+step_smollm2() {
+    part step_smollm2 45 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/smollm2_135m --workloads 32x16@64
+}
 # Where a step of ours goes (event loop, runner, forward), 8B shape.
-part profile_8b 60 python3 benchmarks/profile_long_prompt.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/llama3_8b --workload 64x16@4096 --rounds 2
+profile_8b() {
+    part profile_8b 60 python3 benchmarks/profile_long_prompt.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_8b --workload 64x16@4096 --rounds 2
+}
 # ours against the floor in turns, one process (bench_long_prompt's --paired), 8B shape.
-part paired_8b 90 python3 benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 \
-    --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
+paired_8b() {
+    part paired_8b 90 python3 benchmarks/bench_long_prompt.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
+}
+
+ORDER="step_8b step_1b tests exact_rows step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
+for name in ${PARTS:-$ORDER}; do
+    [[ " $ORDER " == *" $name "* ]] || { echo "== $name: no such part (parts: $ORDER)"; exit 2; }
+    "$name"
+done
 echo "== all parts done after $((SECONDS - START)) s"
