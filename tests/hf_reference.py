@@ -20,7 +20,8 @@ ATOL = 1e-4
 
 def reference(model, context) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(torch.tensor([list(context)]), use_cache=False).logits[0, -1]
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([list(context)], device=device), use_cache=False).logits[0, -1]
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -26,8 +26,9 @@ from genlm_backend.llm import engine as engine_module
 from genlm_backend.llm.engine import BatchingConfig
 from genlm_backend.llm.hf import exact
 from genlm_backend.llm.hf.runner import HFRunner
+from tests import conftest
 from tests.conftest import build_tiny_llama
-from tests.hf_reference import reference
+from tests.hf_reference import ATOL, reference
 
 EXAMPLES = int(os.environ.get("GENLM_EXACT_EXAMPLES", "12"))
 VOCAB = 2000  # token ids drawn below this (the tiny model's vocabulary is the tokenizer's)
@@ -361,6 +362,58 @@ def test_gpt2_rows_are_the_rows_computed_alone(tiny_gpt2):
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
+
+
+PIECES_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("build", ["build_tiny_llama", "build_tiny_gpt2"])
+@pytest.mark.parametrize("device", PIECES_DEVICES)
+def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, monkeypatch):
+    """Products in pieces of ``CUDA_ROWS`` rows (CUDA's way; forced on the CPU): rows batched
+    behind a cached prompt, then stepped, against each row alone, and against a plain forward."""
+    pieces = []
+    real = exact.products_in_pieces
+
+    def spy(product, rows):
+        pieces.append(rows.shape[0])
+        return real(product, rows)
+
+    monkeypatch.setattr(exact, "products_in_pieces", spy)
+    model = getattr(conftest, build)(VOCAB).to(device=device, dtype=dtype)
+    model.config._attn_implementation = "sdpa"
+    padded = exact.PaddedMatmuls.of(model)
+    assert padded.pieces == (device == "cuda")
+    padded.pieces = True
+    alone = Alone(model, VOCAB)
+    rng = random.Random(6)
+    prompt = [rng.randrange(VOCAB) for _ in range(70)]
+    batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 2, 5, 9, 30, 70)]
+    runner = HFRunner(model, KVPrefixTree(1 << 30), VOCAB, deterministic=True)
+    runner.logprobs([tuple(prompt)])
+    for _ in range(2):
+        rows = runner.logprobs([tuple(context) for context in batch])
+        assert_rows_exact(rows, batch, alone)
+        if dtype == torch.float32:
+            for row, context in zip(rows, batch):
+                torch.testing.assert_close(
+                    row, reference(model, context)[:VOCAB], atol=ATOL, rtol=0
+                )
+        for context in batch:
+            context.append(rng.randrange(VOCAB))
+    assert (
+        max(pieces) > exact.CUDA_ROWS and min(pieces) < exact.CUDA_ROWS
+    )  # several pieces, and padding
 
 
 def test_deterministic_is_refused_where_it_cannot_hold(smollm2_tokenizer):

@@ -44,11 +44,12 @@ python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', tor
 # Captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
 tests() {
     part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
-        tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py
+        tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py \
+        tests/test_deterministic.py
 }
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
-    part exact_rows 60 python3 benchmarks/gpu/exact_rows.py --device cuda \
+    part exact_rows 100 python3 benchmarks/gpu/exact_rows.py --device cuda \
         --random-weights $CONFIGS/smollm2_135m $CONFIGS/llama3_2_1b
 }
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
