@@ -364,21 +364,21 @@ def test_gpt2_rows_are_the_rows_computed_alone(tiny_gpt2):
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
 
 
-PIECES_DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
+NEEDS_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
+        pytest.param("cuda", torch.bfloat16, marks=NEEDS_CUDA),
+    ],
+)
 @pytest.mark.parametrize("build", ["build_tiny_llama", "build_tiny_gpt2"])
-@pytest.mark.parametrize("device", PIECES_DEVICES)
 def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, monkeypatch):
     """Products in pieces of ``CUDA_ROWS`` rows (CUDA's way; forced on the CPU): rows batched
     behind a cached prompt, then stepped, against each row alone, and against a plain forward."""
@@ -416,6 +416,25 @@ def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, m
     )  # several pieces, and padding
 
 
+def test_exact_rows_are_promised_only_where_they_were_measured():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert exact.exact_rows_unsupported(cpu, torch.float32) is None
+    assert exact.exact_rows_unsupported(cpu, torch.bfloat16) is None
+    assert exact.exact_rows_unsupported(cuda, torch.bfloat16) is None
+    assert "bfloat16 only" in exact.exact_rows_unsupported(cuda, torch.float32)
+    assert "bfloat16 only" in exact.exact_rows_unsupported(cuda, torch.float16)
+    assert "float32 and bfloat16" in exact.exact_rows_unsupported(cpu, torch.float16)
+    assert "not on mps" in exact.exact_rows_unsupported(torch.device("mps"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=NEEDS_CUDA)])
+def test_deterministic_on_cuda_is_refused_outside_bfloat16(smollm2_tokenizer, device, dtype):
+    model = build_tiny_llama(len(smollm2_tokenizer)).to(device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        AsyncTransformer(model, smollm2_tokenizer, deterministic=True)
+
+
 def test_deterministic_is_refused_where_it_cannot_hold(smollm2_tokenizer):
     model = build_tiny_llama(len(smollm2_tokenizer))
     model.config._attn_implementation = "eager"
@@ -423,3 +442,6 @@ def test_deterministic_is_refused_where_it_cannot_hold(smollm2_tokenizer):
         AsyncTransformer(model, smollm2_tokenizer, deterministic=True)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         AsyncTransformer(model, smollm2_tokenizer, deterministic="yes")
+    half = build_tiny_llama(len(smollm2_tokenizer)).to(torch.float16)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        AsyncTransformer(half, smollm2_tokenizer, deterministic=True)

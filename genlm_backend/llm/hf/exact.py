@@ -7,10 +7,11 @@ What makes a row depend on its neighbours in a plain forward pass, and what this
   1 to 3 rows, and 7 on two threads) than in any product of 16 rows or more,
   where a row's bits depend neither on the other rows nor on its position.
   :class:`PaddedMatmuls` pads every projection's input to 16 rows.
-  cuBLAS picks its kernel by the row count, and float32 rows get other bits
-  beside 17 to 128 others than alone (measured on an H100, torch 2.11): on
-  CUDA every product is computed in pieces of :data:`CUDA_ROWS` rows, one
-  kernel shape whatever the pass holds.
+  cuBLAS picks its kernel by the row count: a float32 row got other bits
+  beside 16 to 127 others than alone (an H100, torch 2.11). On CUDA every
+  product is computed in pieces of :data:`CUDA_ROWS` rows, one kernel shape
+  whatever the pass holds; rows are exact there in bfloat16
+  (:func:`exact_rows_unsupported`).
 * **Attention's reduction order.** A fused kernel splits the keys into
   blocks whose size depends on the number of keys and queries, and the
   runner's cascade merges a cached prefix with the rest at the prefix's
@@ -79,6 +80,27 @@ def aligned_numel(numel: int, num_threads: int) -> int:
         if count % (ALIGN * threads) == 0:
             return count
         count += ALIGN
+
+
+def exact_rows_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why rows on ``device`` in ``dtype`` cannot be exact (``None``: they are).
+
+    Exact, and tested, on the CPU in float32 and bfloat16 and on CUDA in
+    bfloat16. On CUDA, float32 and float16 rows of a context prefilled beside
+    others still got other bits than alone (up to 1.4e-5 and 1.2e-2 on an H100,
+    torch 2.11): the attention's products there pick their kernels by shape too.
+    """
+    exact = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
+    if dtype in exact.get(device.type, ()):
+        return None
+    if device.type == "cuda":
+        return (
+            f"on CUDA, rows are exact in bfloat16 only (the model is {dtype}): in float32 and "
+            f"float16 a row's bits still change with its batch there; load the model in bfloat16"
+        )
+    if device.type == "cpu":
+        return f"on the CPU, rows are exact in float32 and bfloat16 (the model is {dtype})"
+    return f"rows are exact on the CPU and on CUDA (bfloat16), not on {device.type}"
 
 
 def exp_of_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

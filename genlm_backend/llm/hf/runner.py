@@ -40,7 +40,12 @@ from genlm_backend.llm.hf.compat import (
     max_positions,
     shared_levels_unsupported,
 )
-from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout, PaddedMatmuls
+from genlm_backend.llm.hf.exact import (
+    BLOCK_TOKENS,
+    ExactLayout,
+    PaddedMatmuls,
+    exact_rows_unsupported,
+)
 from genlm_backend.llm.hf.graphs import StepGraphs
 from genlm_backend.llm.runner import (
     Adapter,
@@ -69,7 +74,9 @@ class HFRunner:
 
     Raises:
         ImportError: the installed transformers is not a supported version.
-        ValueError: ``deterministic`` for a model whose attention the runner cannot compute itself.
+        ValueError: ``deterministic`` for a model whose attention the runner cannot
+            compute itself, or on a device and dtype where rows are not exact
+            (:func:`~genlm_backend.llm.hf.exact.exact_rows_unsupported`).
     """
 
     def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, deterministic: bool = False):
@@ -90,6 +97,10 @@ class HFRunner:
                     f"deterministic=True needs attention the runner computes itself; this model's "
                     f"cannot be: {self.levels_unsupported}"
                 )
+            where = next(model.parameters())
+            refused = exact_rows_unsupported(where.device, where.dtype)
+            if refused is not None:
+                raise ValueError(f"deterministic=True: {refused}")
             self._padded_matmuls = PaddedMatmuls.of(model)
         self.level_policy = LevelPolicy(
             enabled=self.levels_unsupported is None,
