@@ -429,10 +429,10 @@ def test_exact_rows_are_promised_only_where_they_were_measured():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=NEEDS_CUDA)])
-def test_deterministic_on_cuda_is_refused_outside_bfloat16(smollm2_tokenizer, device, dtype):
-    model = build_tiny_llama(len(smollm2_tokenizer)).to(device=device, dtype=dtype)
+def test_deterministic_on_cuda_is_refused_outside_bfloat16(device, dtype):
+    model = build_tiny_llama(VOCAB).to(device=device, dtype=dtype)
     with pytest.raises(ValueError, match="bfloat16 only"):
-        AsyncTransformer(model, smollm2_tokenizer, deterministic=True)
+        HFRunner(model, KVPrefixTree(1 << 20), VOCAB, deterministic=True)
 
 
 def test_deterministic_is_refused_where_it_cannot_hold(smollm2_tokenizer):
