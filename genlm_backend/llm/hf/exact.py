@@ -486,6 +486,8 @@ def products_in_pieces(product, rows: torch.Tensor) -> torch.Tensor:
     padded = -(-num_rows // CUDA_ROWS) * CUDA_ROWS
     if padded != num_rows:
         rows = torch.cat([rows, rows.new_zeros(padded - num_rows, rows.shape[1])])
+    if padded == CUDA_ROWS:  # a step of up to CUDA_ROWS rows: one product, no copy
+        return product(rows)[:num_rows]
     return torch.cat([product(piece) for piece in rows.split(CUDA_ROWS)])[:num_rows]
 
 
