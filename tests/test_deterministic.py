@@ -137,6 +137,33 @@ def test_smc_rows_are_the_rows_computed_alone(tiny, monkeypatch):
     assert passes.with_levels and passes.in_place, "the level and in-place paths were exercised"
 
 
+def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):
+    """Buffers of layouts said to be covered start as NaN: a block left unwritten would poison its row.
+    Rows reading the prompt as a level beside a row that reads none leave some blocks unwritten."""
+    model, tokenizer, alone = tiny
+    real = exact._block_buffer
+    kinds = set()
+
+    def poisoned(like, shape, layout):
+        kinds.add((layout.covered, bool(layout.levels)))
+        if layout.covered:
+            return like.new_full(shape, torch.nan, dtype=torch.float32)
+        return real(like, shape, layout)
+
+    monkeypatch.setattr(exact, "_block_buffer", poisoned)
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
+    batch = [[*prompt, token] for token in range(8)]
+    batch.append([rng.randrange(VOCAB) for _ in range(100)])
+    llm = exact_llm(model, tokenizer)
+    llm.next_token_logprobs_sync(prompt)
+    for _ in range(2):
+        assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
+        for context in batch:
+            context.append(rng.randrange(VOCAB))
+    assert {(True, True), (False, True)} <= kinds  # covered and uncovered passes, both with levels
+
+
 def test_rows_do_not_depend_on_their_batch(tiny):
     """One context alone, in batches of every size and order, behind its cached prefix or not."""
     model, tokenizer, alone = tiny

@@ -138,8 +138,19 @@ def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
     while half > 1:
         half //= 2
         if size > half:  # element i gets element i + half (a padding zero beyond size)
-            summed = x.narrow(dim, 0, half).clone()
-            summed.narrow(dim, 0, size - half).add_(x.narrow(dim, half, size - half))
+            shape = list(x.shape)
+            shape[dim] = half
+            summed = x.new_empty(shape)
+            paired = size - half
+            torch.add(
+                x.narrow(dim, 0, paired),
+                x.narrow(dim, half, paired),
+                out=summed.narrow(dim, 0, paired),
+            )
+            if paired < half:
+                summed.narrow(dim, paired, half - paired).copy_(
+                    x.narrow(dim, paired, half - paired)
+                )
             x, size = summed, half
     return x.narrow(dim, 0, 1).squeeze(dim)
 
@@ -172,6 +183,8 @@ class ExactLayout:
     own_blocks: torch.Tensor
     num_blocks: int
     levels: tuple[tuple[Level, int], ...]
+    covered: bool = False
+    """Every row's every block is written by its own part or a level it reads (no zeros needed)."""
     chunks: tuple[tuple[int, int, ExactLayout], ...] = ()
     """For a pass of more than :data:`QUERY_CHUNK` new positions: ``(first, end, layout)``
     of each run of positions, computed apart, each over the own keys it can see."""
@@ -221,11 +234,23 @@ class ExactLayout:
         own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
         placed = []
         levels_end = 0  # the block after the last level's
+        level_spans = []  # (first block, end block, reader rows)
         # levels come in the order of planner.level_readers; a level's first key is its entry's offset
-        for level, ((entry, n), _) in zip(levels, planner.level_readers(plan.rows), strict=True):
+        for level, ((entry, n), readers) in zip(
+            levels, planner.level_readers(plan.rows), strict=True
+        ):
             assert entry.offset % b == 0 and n % b == 0, "levels span whole blocks"
             placed.append((level, entry.offset // b))
             levels_end = max(levels_end, (entry.offset + n) // b)
+            level_spans.append((entry.offset // b, (entry.offset + n) // b, readers))
+
+        def is_covered(num_blocks: int, num_own: int) -> bool:
+            written = torch.zeros(len(plan.rows), num_blocks, dtype=torch.bool)
+            for i, first in enumerate(first_blocks.tolist()):
+                written[i, first : first + num_own] = True
+            for first, end, readers in level_spans:
+                written[readers, first:end] = True
+            return bool(written.all())
 
         def layout(first: int, end: int, chunks=()) -> ExactLayout:
             # own key j is visible to position t only if j <= own past + t: later blocks are left out
@@ -242,6 +267,7 @@ class ExactLayout:
                 own_blocks=own_blocks[:, None, None, : seen // b].to(device),
                 num_blocks=num_blocks,
                 levels=tuple(placed),
+                covered=not chunks and is_covered(num_blocks, seen // b),
                 chunks=chunks,
             )
 
@@ -304,6 +330,13 @@ def _block_partials(
     else:
         out = cast @ values.contiguous().unflatten(-2, (-1, b))  # [..., nb, M, D]
     return weights.sum(-1), out.float()
+
+
+def _block_buffer(like: torch.Tensor, shape: tuple[int, ...], layout: ExactLayout) -> torch.Tensor:
+    """Float32 partial results of every row's blocks: zeros where a row has blocks no part writes."""
+    if layout.covered:
+        return like.new_empty(shape, dtype=torch.float32)
+    return like.new_zeros(shape, dtype=torch.float32)
 
 
 def exact_attention(
@@ -377,11 +410,9 @@ def exact_attention(
     top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding) gets zeros
 
     # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
-    block_sum = query.new_zeros(
-        (num_rows, num_blocks, num_kv_heads, num_queries), dtype=torch.float32
-    )
-    block_out = query.new_zeros(
-        (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), dtype=torch.float32
+    block_sum = _block_buffer(query, (num_rows, num_blocks, num_kv_heads, num_queries), layout)
+    block_out = _block_buffer(
+        query, (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), layout
     )
     s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
     # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
