@@ -454,6 +454,17 @@ def test_exact_rows_are_promised_only_where_they_were_measured():
     assert "not on mps" in exact.exact_rows_unsupported(torch.device("mps"), torch.bfloat16)
 
 
+def test_products_in_pieces_refuse_projections_they_cannot_compute():
+    class QuantizedLinear(torch.nn.Linear):  # a subclass computes its own product
+        pass
+
+    model = build_tiny_llama(VOCAB)
+    model.lm_head = QuantizedLinear(model.lm_head.in_features, VOCAB, bias=False)
+    exact.PaddedMatmuls(pieces=False).attach(model)  # padded, the layer computes itself
+    with pytest.raises(ValueError, match=r"plain nn\.Linear or Conv1D layers; this model has a QuantizedLinear"):
+        exact.PaddedMatmuls(pieces=True).attach(model)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=NEEDS_CUDA)])
 def test_deterministic_on_cuda_is_refused_outside_bfloat16(device, dtype):

@@ -96,7 +96,8 @@ def exact_rows_unsupported(device: torch.device, dtype: torch.dtype) -> str | No
     if device.type == "cuda":
         return (
             f"on CUDA, rows are exact in bfloat16 only (the model is {dtype}): in float32 and "
-            f"float16 a row's bits still change with its batch there; load the model in bfloat16"
+            f"float16 a row's bits still change with its batch there; load the model in bfloat16 "
+            f"(from_name(..., hf_opts={{'dtype': torch.bfloat16, 'device_map': 'cuda'}}))"
         )
     if device.type == "cpu":
         return f"on the CPU, rows are exact in float32 and bfloat16 (the model is {dtype})"
@@ -475,9 +476,20 @@ class PaddedMatmuls:
         return padded
 
     def attach(self, model: torch.nn.Module) -> None:
+        """Hook the projections of ``model`` not hooked yet.
+
+        Raises:
+            ValueError: with ``pieces``, a projection whose product is not a plain
+                ``nn.Linear``'s or ``Conv1D``'s (a quantized layer, say).
+        """
         for module in model.modules():
             if id(module) in self._hooked or not _is_projection(module):
                 continue
+            if self.pieces and _product_of(module) is None:
+                raise ValueError(
+                    f"deterministic=True on CUDA computes projections in pieces, which needs plain "
+                    f"nn.Linear or Conv1D layers; this model has a {type(module).__qualname__}"
+                )
             module.register_forward_pre_hook(self._pad)
             module.register_forward_hook(self._unpad)
             self._hooked.add(id(module))
