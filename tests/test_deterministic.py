@@ -461,7 +461,9 @@ def test_products_in_pieces_refuse_projections_they_cannot_compute():
     model = build_tiny_llama(VOCAB)
     model.lm_head = QuantizedLinear(model.lm_head.in_features, VOCAB, bias=False)
     exact.PaddedMatmuls(pieces=False).attach(model)  # padded, the layer computes itself
-    with pytest.raises(ValueError, match=r"plain nn\.Linear or Conv1D layers; this model has a QuantizedLinear"):
+    with pytest.raises(
+        ValueError, match=r"plain nn\.Linear or Conv1D layers; this model has a QuantizedLinear"
+    ):
         exact.PaddedMatmuls(pieces=True).attach(model)
 
 

@@ -488,7 +488,7 @@ class PaddedMatmuls:
             if self.pieces and _product_of(module) is None:
                 raise ValueError(
                     f"deterministic=True on CUDA computes projections in pieces, which needs plain "
-                    f"nn.Linear or Conv1D layers; this model has a {type(module).__qualname__}"
+                    f"nn.Linear or Conv1D layers; this model has a {type(module).__name__}"
                 )
             module.register_forward_pre_hook(self._pad)
             module.register_forward_hook(self._unpad)
