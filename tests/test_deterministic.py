@@ -454,6 +454,16 @@ def test_exact_rows_are_promised_only_where_they_were_measured():
     assert "not on mps" in exact.exact_rows_unsupported(torch.device("mps"), torch.bfloat16)
 
 
+def test_a_model_moved_to_another_device_gets_that_device_s_products(monkeypatch):
+    model = build_tiny_llama(VOCAB)
+    padded = exact.PaddedMatmuls.of(model)
+    assert not padded.pieces
+    padded.pieces = True  # forced, as the tests above do: kept while the model stays put
+    assert exact.PaddedMatmuls.of(model).pieces
+    monkeypatch.setattr(padded, "device", "cuda")  # as if it had been on CUDA, then moved here
+    assert exact.PaddedMatmuls.of(model) is padded and not padded.pieces
+
+
 def test_products_in_pieces_refuse_projections_they_cannot_compute():
     class QuantizedLinear(torch.nn.Linear):  # a subclass computes its own product
         pass

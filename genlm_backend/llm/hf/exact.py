@@ -461,6 +461,8 @@ class PaddedMatmuls:
     def __init__(self, pieces: bool = False):
         self.active = False
         self.pieces = pieces
+        self.device: str | None = None
+        """The device type of the model's weights when :meth:`of` last looked."""
         self._hooked: set[int] = set()
         self._shapes: dict[int, torch.Size] = {}
         self._inputs: dict[int, torch.Tensor] = {}
@@ -468,10 +470,12 @@ class PaddedMatmuls:
     @classmethod
     def of(cls, model: torch.nn.Module) -> PaddedMatmuls:
         """The model's own, its projections hooked (products in pieces where its weights are on CUDA)."""
+        device = next(model.parameters()).device.type
         padded = _PADDED.get(model)
         if padded is None:
-            on_cuda = next(model.parameters()).device.type == "cuda"
-            padded = _PADDED[model] = cls(pieces=on_cuda)
+            padded = _PADDED[model] = cls(pieces=device == "cuda")
+        if padded.device != device:  # made here, or the model moved since
+            padded.device, padded.pieces = device, device == "cuda"
         padded.attach(model)
         return padded
 
@@ -482,14 +486,16 @@ class PaddedMatmuls:
             ValueError: with ``pieces``, a projection whose product is not a plain
                 ``nn.Linear``'s or ``Conv1D``'s (a quantized layer, say).
         """
-        for module in model.modules():
-            if id(module) in self._hooked or not _is_projection(module):
-                continue
-            if self.pieces and _product_of(module) is None:
+        projections = [module for module in model.modules() if _is_projection(module)]
+        for module in projections if self.pieces else ():
+            if _product_of(module) is None:
                 raise ValueError(
                     f"deterministic=True on CUDA computes projections in pieces, which needs plain "
                     f"nn.Linear or Conv1D layers; this model has a {type(module).__name__}"
                 )
+        for module in projections:
+            if id(module) in self._hooked:
+                continue
             module.register_forward_pre_hook(self._pad)
             module.register_forward_hook(self._unpad)
             self._hooked.add(id(module))
