@@ -36,7 +36,7 @@ embeddings, activations, the log-softmax.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -540,12 +540,15 @@ def products_in_pieces(product, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([product(piece) for piece in rows.split(CUDA_ROWS)])[:num_rows]
 
 
-def _product_of(module: torch.nn.Module):
+def _product_of(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The product a plain projection computes, as a function of its input rows (``None`` for others)."""
-    if type(module) is torch.nn.Linear:
-        return lambda rows: torch.nn.functional.linear(rows, module.weight, module.bias)
-    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:
-        return lambda rows: torch.addmm(module.bias, rows, module.weight)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor):
+        return lambda rows: torch.nn.functional.linear(rows, weight, bias)
+    if type(module).__name__ != "Conv1D" or not isinstance(weight, torch.Tensor):
+        return None
+    if isinstance(bias, torch.Tensor) and weight.dim() == 2:
+        return lambda rows: torch.addmm(bias, rows, weight)
     return None
 
 
