@@ -99,14 +99,16 @@ class PassCounter:
     """Counts the passes that read levels, the in-place steps, and the passes run (spying on ExactLayout.of)."""
 
     def __init__(self, monkeypatch):
-        self.with_levels = self.in_place = self.passes = 0
+        self.with_levels = self.in_place = self.passes = self.own_only = 0
         real = exact.ExactLayout.of.__func__
 
         def of(cls, plan, levels, num_groups, device):
             self.passes += 1
             self.with_levels += bool(levels)
             self.in_place += plan.extends is not None
-            return real(cls, plan, levels, num_groups, device)
+            layout = real(cls, plan, levels, num_groups, device)
+            self.own_only += layout.own_only or any(part.own_only for *_, part in layout.chunks)
+            return layout
 
         monkeypatch.setattr(exact.ExactLayout, "of", classmethod(of))
 
@@ -135,6 +137,7 @@ def test_smc_rows_are_the_rows_computed_alone(tiny, monkeypatch):
 
     asyncio.run(run())
     assert passes.with_levels and passes.in_place, "the level and in-place paths were exercised"
+    assert passes.own_only, "so was the merge of own blocks in place (the rows alone use it too)"
 
 
 def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):

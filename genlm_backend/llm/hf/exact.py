@@ -186,6 +186,9 @@ class ExactLayout:
     levels: tuple[tuple[Level, int], ...]
     covered: bool = False
     """Every row's every block is written by its own part or a level it reads (no zeros needed)."""
+    own_only: bool = False
+    """No levels, and every row's own blocks are its blocks ``0, 1, ...``: the blocks of the
+    own part's partial results are already in position order (merged where they are)."""
     chunks: tuple[tuple[int, int, ExactLayout], ...] = ()
     """For a pass of more than :data:`QUERY_CHUNK` new positions: ``(first, end, layout)``
     of each run of positions, computed apart, each over the own keys it can see."""
@@ -269,6 +272,7 @@ class ExactLayout:
                 num_blocks=num_blocks,
                 levels=tuple(placed),
                 covered=not chunks and is_covered(num_blocks, seen // b),
+                own_only=not placed and not first_blocks.any() and num_blocks == seen // b,
                 chunks=chunks,
             )
 
@@ -409,13 +413,18 @@ def exact_attention(
             )
         shared.append((level, first, num_readers, scores, level_values[0]))
     top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding) gets zeros
+    s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
+    if layout.own_only:  # [B, Hkv, NB, M, ...]: the merge below, over the same blocks in order
+        total = sum_in_halves(s[..., :num_queries], 2)[..., None]
+        out = sum_in_halves(o[..., :num_queries, :], 2) / torch.where(total > 0, total, 1.0)
+        out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
+        return out.to(query.dtype)
 
     # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
     block_sum = _block_buffer(query, (num_rows, num_blocks, num_kv_heads, num_queries), layout)
     block_out = _block_buffer(
         query, (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), layout
     )
-    s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
     # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
     at = layout.own_block_rows()
     flat = (num_rows * num_blocks, num_kv_heads, num_queries)
