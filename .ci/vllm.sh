@@ -26,7 +26,10 @@ status=0
 # is process-global, and closing any engine tears it down for every engine the
 # process still uses, so the test that closes an engine runs last in its module.
 python -m pytest -q -p no:randomly -m vllm tests || status=1
+# At the newest transformers the README step also runs the real model behind a long
+# prompt; here the tiny models' shared-prefix tests cover the same hooks (about 30 s less).
 python -m pytest -q -m "not vllm" \
+    --deselect tests/test_hf_shared_prefix.py::test_smollm2_long_prompt_particles_match \
     tests/test_hf.py tests/test_hf_lora.py tests/test_hf_shared_prefix.py tests/test_compat.py \
     tests/test_tokenization.py tests/test_tokenization_built.py tests/test_tokenization_bytes.py \
     tests/test_models.py tests/test_loader.py tests/test_model_names.py tests/test_scoring.py \
