@@ -474,7 +474,7 @@ class PaddedMatmuls:
         """The device type of the model's weights when :meth:`of` last looked."""
         self._hooked: set[int] = set()
         self._shapes: dict[int, torch.Size] = {}
-        self._inputs: dict[int, torch.Tensor] = {}
+        self._inputs: dict[int, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> PaddedMatmuls:
@@ -516,9 +516,10 @@ class PaddedMatmuls:
         rows = x.reshape(-1, x.shape[-1])
         self._shapes.pop(id(module), None)  # left by a pass that raised
         self._inputs.pop(id(module), None)
-        if self.pieces and _product_of(module) is not None:
+        product = _product_of(module) if self.pieces else None
+        if product is not None:
             self._shapes[id(module)] = x.shape
-            self._inputs[id(module)] = rows
+            self._inputs[id(module)] = (product, rows)
             return (rows[:0], *args[1:])
         if rows.shape[0] >= MIN_ROWS:
             return None
@@ -529,10 +530,10 @@ class PaddedMatmuls:
         shape = self._shapes.pop(id(module), None)
         if shape is None:
             return None
-        rows = self._inputs.pop(id(module), None)
+        pending = self._inputs.pop(id(module), None)
         num_rows = shape[:-1].numel()
-        if rows is not None:
-            output = products_in_pieces(_product_of(module), rows)
+        if pending is not None:
+            output = products_in_pieces(*pending)
         return output[:num_rows].reshape(*shape[:-1], output.shape[-1])
 
 
