@@ -12,6 +12,7 @@ CI runs few examples, ``GENLM_EXACT_EXAMPLES=200`` more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 
@@ -28,9 +29,14 @@ from genlm_backend.llm.hf import exact
 from genlm_backend.llm.hf.runner import HFRunner
 from tests import conftest
 from tests.conftest import build_tiny_llama
+from tests.graph_emulation import emulated_graphs
 from tests.hf_reference import ATOL, reference
 
 EXAMPLES = int(os.environ.get("GENLM_EXACT_EXAMPLES", "12"))
+NEEDS_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 VOCAB = 2000  # token ids drawn below this (the tiny model's vocabulary is the tokenizer's)
 
 
@@ -138,6 +144,48 @@ def test_smc_rows_are_the_rows_computed_alone(tiny, monkeypatch):
     asyncio.run(run())
     assert passes.with_levels and passes.in_place, "the level and in-place paths were exercised"
     assert passes.own_only, "so was the merge of own blocks in place (the rows alone use it too)"
+
+
+@pytest.mark.parametrize(
+    "device, dtype, pieces",
+    [
+        ("emulated", torch.float32, False),
+        ("emulated", torch.bfloat16, False),
+        ("emulated", torch.bfloat16, True),  # CUDA's products, forced on the CPU
+        pytest.param("cuda", torch.bfloat16, True, marks=NEEDS_CUDA),
+    ],
+)
+def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces):
+    """One-token steps replayed as captured graphs (CUDA graphs, or emulated on the CPU): two
+    prompts read as levels by some rows and not others, rows that read none, in-place steps,
+    resampling, a bucket change, own parts outgrowing their storage; each row's bits are the
+    row computed alone."""
+    model = build_tiny_llama(VOCAB).to(
+        device="cpu" if device == "emulated" else device, dtype=dtype
+    )
+    model.config._attn_implementation = "sdpa"
+    exact.PaddedMatmuls.of(model).pieces = pieces
+    alone = Alone(model, VOCAB)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (150, 200)]
+    with emulated_graphs() if device == "emulated" else contextlib.nullcontext():
+        runner = HFRunner(model, KVPrefixTree(1 << 30), VOCAB, deterministic=True)
+        for prompt in prompts:
+            runner.logprobs([tuple(prompt)])
+        particles = [[*rng.choice(prompts), rng.randrange(VOCAB)] for _ in range(9)]
+        particles += [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(2)]  # no level
+        for step in range(40):
+            rows = runner.logprobs([tuple(p) for p in particles])
+            assert_rows_exact(rows, particles, alone)
+            if step in (3, 20):  # resample: copies branch off, rows move in the storage
+                particles = [list(rng.choice(particles)) for _ in particles]
+            if step == 10:  # fewer rows: another bucket
+                particles = particles[:5]
+            for p in particles:
+                p.append(rng.randrange(VOCAB))
+    stats = runner.graphs.stats
+    assert stats.unsupported is None
+    assert stats.num_captures >= 3 and stats.num_replays >= 30, stats
 
 
 def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):
@@ -392,12 +440,6 @@ def test_gpt2_rows_are_the_rows_computed_alone(tiny_gpt2):
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
-
-
-NEEDS_CUDA = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ and what it copies first, is :mod:`~genlm_backend.llm.hf.graphs`'s plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -23,11 +24,17 @@ import torch
 from genlm_backend.cache.kv_block import KVBlock, Piece
 from genlm_backend.llm.hf.attention import Cascade, Level
 from genlm_backend.llm.hf.compat import StaticCaches, grouped_kv_attention
+from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout
 from genlm_backend.llm.runner import fit_to_vocab
 from genlm_backend.tokenization.token import gc_paused
 
-_TOKENS, _POSITIONS, _WRITES, _FIRSTS, _LEVELS = range(5)
+_TOKENS, _POSITIONS, _WRITES, _FIRSTS, _SPLITS, _LEVELS = range(6)
 """Rows of a graph's ``inputs``; one more per level (1 where the row reads it)."""
+
+
+ExactProducts = Callable[[], contextlib.AbstractContextManager]
+"""While its context is active, the model's projections compute exact rows (the runner's
+:class:`~genlm_backend.llm.hf.exact.PaddedMatmuls`)."""
 
 
 class GraphCapture(Protocol):
@@ -136,6 +143,8 @@ class CapturedStep:
             _LEVELS + len(levels), key.num_rows, dtype=torch.long, device=storage.device
         )
         self.levels = [Level(entry.block, entry.row, entry.start, n, None) for entry, n in levels]
+        self.offsets = [entry.offset for entry, _ in levels]
+        """Each level's first token in its rows' contexts."""
         self.replay: Callable[[], None] | None = None
         self.output: torch.Tensor | None = None
         self.current: KVBlock | None = None
@@ -176,13 +185,21 @@ class CapturedStep:
 
 
 def decode_one_token(
-    model, caches: StaticCaches, graph: CapturedStep, vocab_size: int
+    model,
+    caches: StaticCaches,
+    graph: CapturedStep,
+    vocab_size: int,
+    exact: ExactProducts | None = None,
 ) -> torch.Tensor:
     """The captured step: one token per row, every per-step value read from ``graph.inputs``.
 
+    With ``exact`` (``deterministic=True``), attention is
+    :func:`~genlm_backend.llm.hf.exact.exact_attention` and the products
+    are ``exact``'s, so a row has the bits of its context computed alone.
+
     Returns ``float32 [R, vocab_size]`` log-probabilities (padding rows included).
     """
-    inputs, storage = graph.inputs, graph.storage  # [5 + levels, R]; [L, 2, R, H, T, D]
+    inputs, storage = graph.inputs, graph.storage  # [6 + levels, R]; [L, 2, R, H, T, D]
     writes, firsts = inputs[_WRITES], inputs[_FIRSTS]
     slots = torch.arange(storage.shape[4], device=storage.device)
     hidden = (slots < firsts[:, None]) | (slots > writes[:, None])  # [R, T]
@@ -192,7 +209,17 @@ def decode_one_token(
     bias = bias.masked_fill_(inputs[_LEVELS:] == 0, float("-inf"))  # [levels, R]
     levels = [dataclasses.replace(level, row_bias=bias[k]) for k, level in enumerate(graph.levels)]
     layers = [(layer[0], layer[1]) for layer in storage.unbind(0)]
-    with grouped_kv_attention(model):
+    attention: dict[str, object] = {"genlm_cascade": Cascade(levels)} if levels else {}
+    products: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if exact is not None:
+        config = model.config.get_text_config(decoder=True)
+        num_groups = config.num_attention_heads // storage.shape[3]
+        placed = [(level, offset // BLOCK_TOKENS) for level, offset in zip(levels, graph.offsets)]
+        layout = ExactLayout.of_step(
+            inputs[_SPLITS], firsts, writes, placed, num_groups, storage.shape[4]
+        )
+        attention, products = {"genlm_exact": layout}, exact()
+    with grouped_kv_attention(model), products:
         output = model(
             input_ids=inputs[_TOKENS, :, None],
             attention_mask=mask,
@@ -200,6 +227,6 @@ def decode_one_token(
             past_key_values=caches.scattered(layers, writes),
             use_cache=True,
             logits_to_keep=1,
-            **({"genlm_cascade": Cascade(levels)} if levels else {}),
+            **attention,
         )
     return fit_to_vocab(output.logits[:, 0], vocab_size)

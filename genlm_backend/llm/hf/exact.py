@@ -288,6 +288,49 @@ class ExactLayout:
         )
         return layout(0, 0, chunks)  # gathers every own key once; the chunks compute
 
+    @classmethod
+    def of_step(
+        cls,
+        splits: torch.Tensor,
+        firsts: torch.Tensor,
+        writes: torch.Tensor,
+        levels: Sequence[tuple[Level, int]],
+        num_groups: int,
+        num_slots: int,
+    ) -> ExactLayout:
+        """The layout of a captured one-token step, made on the device from the step's inputs.
+
+        Row ``i``'s own part is slots ``[firsts[i], writes[i]]`` of the graph's
+        storage (``num_slots`` slots), the context's tokens from ``splits[i]``
+        on (a multiple of :data:`BLOCK_TOKENS`: the tokens it reads as
+        levels). Every level is read by every row, each weighing nothing for
+        the rows its ``row_bias`` leaves out; ``levels`` pairs each with its
+        first block. The shapes depend only on the graph, so they hold for
+        every replay: the own part is gathered over all the storage's blocks
+        (those past a row's last key add exact zeros to its merge), and the
+        block buffers have room for any row's own blocks after any level.
+        """
+        b = BLOCK_TOKENS
+        num_own_blocks = -(-num_slots // b)
+        keys = torch.arange(num_own_blocks * b, device=firsts.device)
+        visible = keys <= (writes - firsts)[:, None]  # [R, S]
+        index = torch.where(visible, firsts[:, None] + keys, firsts[:, None])
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=firsts.device)
+        bias = bias.masked_fill_(~visible, -torch.inf)[:, None].expand(-1, num_groups, -1)
+        own_blocks = (splits // b)[:, None] + torch.arange(num_own_blocks, device=firsts.device)
+        levels_end = max(
+            (first + level.length // b for level, first in levels),
+            default=0,
+        )
+        return cls(
+            own_index=index,
+            own_bias=pad_rows(bias, dim=1)[:, None].contiguous(),
+            own_blocks=own_blocks[:, None, None, :],
+            num_blocks=levels_end + num_own_blocks,
+            levels=tuple(levels),
+            own_only=not levels,
+        )
+
 
 def _own_blocks(
     key: torch.Tensor, value: torch.Tensor, layout: ExactLayout
@@ -403,6 +446,9 @@ def exact_attention(
         num_readers = readers.shape[0]
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M', D]
         scores = _scores(together, level_keys[0], None)
+        if level.row_bias is not None:  # every row reads it; those left out weigh nothing
+            queries_bias = level.row_bias[:, None].expand(-1, num_queries).flatten()
+            scores[:, : num_readers * num_queries] += queries_bias[:, None]
         level_top = scores[:, : num_readers * num_queries].amax(-1)  # [Hkv, R * M]
         level_top = level_top.unflatten(1, (num_readers, num_queries)).transpose(0, 1)
         if level.rows is None:
@@ -441,6 +487,10 @@ def exact_attention(
         s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
         span = slice(first, first + nb)
+        if level.row_bias is not None:  # zeros for the rows left out: added to their own blocks
+            block_sum[:, span] += s.permute(2, 1, 0, 3)
+            block_out[:, span] += o.permute(2, 1, 0, 3, 4)
+            continue
         rows = slice(None) if level.rows is None else level.rows
         block_sum[rows, span] = s.permute(2, 1, 0, 3)
         block_out[rows, span] = o.permute(2, 1, 0, 3, 4)

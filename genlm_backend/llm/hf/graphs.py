@@ -41,7 +41,7 @@ from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Seg
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.cache.plan import PassPlan, positions
 from genlm_backend.llm.hf import capture
-from genlm_backend.llm.hf.capture import CapturedStep, GraphKey, decode_one_token
+from genlm_backend.llm.hf.capture import CapturedStep, ExactProducts, GraphKey, decode_one_token
 from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, kv_shape
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -102,7 +102,7 @@ class GraphStep:
         ]
 
     def host_inputs(self, max_positions: int) -> torch.Tensor:
-        """``int64 [5 + levels, R]`` on the host: the graph's inputs for this step."""
+        """``int64 [6 + levels, R]`` on the host: the graph's inputs for this step."""
         pads = [0] * len(self.pad_slots)
         rows = self.rows
         fields = [
@@ -110,6 +110,7 @@ class GraphStep:
             [positions(len(row.context) - 1, 1, max_positions)[0] for row in rows] + pads,
             [row.write_slot for row in rows] + list(self.pad_slots),
             [row.first for row in rows] + list(self.pad_slots),
+            [row.split for row in rows] + pads,
         ]
         fields += [[int(k in row.levels) for row in rows] + pads for k in range(len(self.levels))]
         return torch.tensor(fields, dtype=torch.long)
@@ -127,6 +128,8 @@ class StepGraphs:
         max_graphs: Most graphs kept (0: every step eager).
         max_storage_bytes: Most bytes of own-part storage kept by the graphs
             (beyond the tree's budget while the tree no longer holds them).
+        exact: With ``deterministic=True``, the runner's exact products: steps are
+            captured with exact attention (:meth:`~genlm_backend.llm.hf.exact.ExactLayout.of_step`).
     """
 
     def __init__(
@@ -139,8 +142,10 @@ class StepGraphs:
         *,
         max_graphs: int = 8,
         max_storage_bytes: int = 2 << 30,
+        exact: ExactProducts | None = None,
     ):
         self._model_of = model_of
+        self._exact = exact
         self._caches = caches
         self._kv_tree = kv_tree
         self._vocab_size = vocab_size
@@ -265,7 +270,9 @@ class StepGraphs:
         assert graphs is not None, "planned for a device that captures"
         try:
             graph.replay, graph.output = graphs.capture(
-                functools.partial(decode_one_token, model, self._caches, graph, self._vocab_size)
+                functools.partial(
+                    decode_one_token, model, self._caches, graph, self._vocab_size, self._exact
+                )
             )
         except RuntimeError as exc:  # a model doing host work inside its forward
             self.unsupported = f"capturing a one-token step failed: {exc}"
@@ -281,7 +288,11 @@ class StepGraphs:
         num_levels = 0
         while num_levels < len(row.levels) and row.levels[num_levels][0].block not in self._blocks:
             num_levels += 1
-        own = [Segment(e.block, e.row, e.start, n) for e, n in row.levels[num_levels:] + row.own]
+        own = [Segment(e.block, e.row, e.start, n) for e, n in row.levels[num_levels:]]
+        skip = row.own_start  # the first own piece may begin at a level's end (exact rows)
+        for e, n in row.own:
+            own.append(Segment(e.block, e.row, e.start + skip, n - skip))
+            skip = 0
         if pass_plan.extends is not None and row.num_own_past:
             start = pass_plan.num_past - row.num_own_past
             own.append(Segment(pass_plan.extends, i, start, row.num_own_past))

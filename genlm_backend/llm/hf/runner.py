@@ -107,13 +107,16 @@ class HFRunner:
             block_tokens=BLOCK_TOKENS if deterministic else None,
         )
         self.graphs = StepGraphs(
-            lambda: self.model, self._static_cache, kv_tree, vocab_size, self._max_positions
+            lambda: self.model,
+            self._static_cache,
+            kv_tree,
+            vocab_size,
+            self._max_positions,
+            exact=self._exact_products if deterministic else None,
         )
         """One-token steps captured as graphs (on CUDA), the rest eager: see :mod:`~genlm_backend.llm.hf.graphs`."""
         if self.levels_unsupported is not None:
             self.graphs.unsupported = f"shared levels unsupported: {self.levels_unsupported}"
-        elif deterministic:
-            self.graphs.unsupported = "deterministic rows are computed eagerly"
 
     @property
     def model(self):
