@@ -182,7 +182,7 @@ def ours_steps(
     """ours: awaited requests; on CUDA also the GPU-busy fraction of a few steps.
 
     ``in_loop``: batches run in the event loop's thread (``compute_in_loop=True``).
-    ``deterministic``: ``deterministic=True`` (no busy fraction measured).
+    ``deterministic``: ``deterministic=True``.
     """
     from genlm_backend.llm.hf import AsyncTransformer
 
@@ -206,7 +206,7 @@ def ours_steps(
         synchronize(args.device)
         step_s = (time.perf_counter() - start) / steps
         busy = None
-        if args.device.startswith("cuda") and not deterministic:
+        if args.device.startswith("cuda"):
             busy = await gpu_busy_fraction(step, [prompt + o for o in own], args.device)
         return step_s, busy
 
@@ -295,6 +295,16 @@ def report(result: dict) -> None:
             print(
                 f"| {name}, deterministic=True | {exact['step_s'] * ms:.2f} | "
                 f"{exact['step_s'] / limit:.2f}x ({exact['step_s'] / default['step_s']:.2f}x the default) |"
+            )
+        exact = result["runner_exact"]
+        print(
+            f"ours-runner, deterministic=True: first step {exact['first_step_s'] * ms:.1f} ms; "
+            f"{exact['captures']} captures, {exact['replays']} replays"
+        )
+        busy = result["ours_exact"]["gpu_busy"]
+        if busy is not None:
+            print(
+                f"ours, deterministic=True: GPU busy {100 * busy:.0f}% of the wall time of 4 steps"
             )
     print(
         f"ours-runner: first step {runner['first_step_s'] * ms:.1f} ms (captures included); "

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_long_prompt import load_model
 
+from genlm_backend.llm.hf.exact import exact_rows_unsupported
+
 ROW_COUNTS = (1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 256)
 CHUNK = 64
 
@@ -126,15 +128,19 @@ def rows_probe(model, device: str, label: str) -> None:
     llm = exact_llm()
     llm.next_token_logprobs_sync(prompt)
     particles = [[*prompt, rng.randrange(2000)] for _ in range(24)]
-    for _ in range(4):
+    for step in range(8):
         stepped.add(llm.batch_next_token_logprobs_sync(particles), particles, alone)
+        if step == 3:  # resample
+            particles = [list(rng.choice(particles)) for _ in particles]
         for particle in particles:
             particle.append(rng.randrange(2000))
+    graphs = llm.runner.graphs.stats
     llm.close()
     print(
-        f"rows {label}: 24 particles x 4 steps behind a cached 200-token prompt: "
+        f"rows {label}: 24 particles x 8 steps behind a cached 200-token prompt, resampled once: "
         f"{stepped.mismatched}/{stepped.rows} differ, largest difference {stepped.worst:.3g} "
-        f"({time.perf_counter() - start:.1f} s)",
+        f"({graphs.num_captures} captures, {graphs.num_replays} replays; "
+        f"{time.perf_counter() - start:.1f} s)",
         flush=True,
     )
 
@@ -151,6 +157,12 @@ def main() -> None:
         kernel_probe(args.device, getattr(torch, dtype), 2048, 8192)
     for config in args.random_weights:
         for dtype in args.dtypes:
+            refused = exact_rows_unsupported(torch.device(args.device), getattr(torch, dtype))
+            if refused is not None:
+                print(
+                    f"rows {config.name} {dtype}: not probed, deterministic=True refuses it: {refused}"
+                )
+                continue
             model = load_model(
                 argparse.Namespace(random_weights=config, device=args.device, dtype=dtype)
             )

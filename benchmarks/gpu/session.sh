@@ -50,7 +50,7 @@ tests() {
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
     part exact_rows 100 python3 benchmarks/gpu/exact_rows.py --device cuda \
-        --random-weights $CONFIGS/smollm2_135m $CONFIGS/llama3_2_1b
+        --random-weights $CONFIGS/smollm2_135m $CONFIGS/llama3_2_1b --dtypes bfloat16
 }
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
 sampling() { part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300; }
