@@ -125,7 +125,7 @@ def test_smc_rows_are_the_rows_computed_alone(tiny, monkeypatch):
     passes = PassCounter(monkeypatch)
     llm = exact_llm(model, tokenizer)
     rng = random.Random(0)
-    prompt = [rng.randrange(VOCAB) for _ in range(150)]
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
     particles = [[*prompt, rng.randrange(VOCAB)] for _ in range(12)]
 
     async def run():
@@ -158,8 +158,7 @@ def test_smc_rows_are_the_rows_computed_alone(tiny, monkeypatch):
 def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces):
     """One-token steps replayed as captured graphs (CUDA graphs, or emulated on the CPU): two
     prompts read as levels by some rows and not others, rows that read none, in-place steps,
-    resampling, a bucket change, own parts outgrowing their storage; each row's bits are the
-    row computed alone."""
+    resampling, a bucket change; each row's bits are the row computed alone."""
     model = build_tiny_llama(VOCAB).to(
         device="cpu" if device == "emulated" else device, dtype=dtype
     )
@@ -167,7 +166,7 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces):
     exact.PaddedMatmuls.of(model).pieces = pieces
     alone = Alone(model, VOCAB)
     rng = random.Random(11)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (150, 200)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (300, 450)]
     with emulated_graphs() if device == "emulated" else contextlib.nullcontext():
         runner = HFRunner(model, KVPrefixTree(1 << 30), VOCAB, deterministic=True)
         for prompt in prompts:
@@ -185,14 +184,14 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces):
                 p.append(rng.randrange(VOCAB))
     stats = runner.graphs.stats
     assert stats.unsupported is None
-    assert stats.num_captures >= 3 and stats.num_replays >= 30, stats
+    assert stats.num_captures >= 2 and stats.num_replays >= 30, stats  # a graph per bucket
 
 
 def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):
     """Buffers of layouts said to be covered start as NaN: a block left unwritten would poison its row.
     Rows reading the prompt as a level beside a row that reads none leave some blocks unwritten."""
     model, tokenizer, alone = tiny
-    real = exact._block_buffer
+    real = exact._span_buffer
     kinds = set()
 
     def poisoned(like, shape, layout):
@@ -201,9 +200,9 @@ def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypa
             return like.new_full(shape, torch.nan, dtype=torch.float32)
         return real(like, shape, layout)
 
-    monkeypatch.setattr(exact, "_block_buffer", poisoned)
+    monkeypatch.setattr(exact, "_span_buffer", poisoned)
     rng = random.Random(7)
-    prompt = [rng.randrange(VOCAB) for _ in range(300)]
+    prompt = [rng.randrange(VOCAB) for _ in range(400)]
     batch = [[*prompt, token] for token in range(8)]
     batch.append([rng.randrange(VOCAB) for _ in range(100)])
     llm = exact_llm(model, tokenizer)
@@ -219,9 +218,9 @@ def test_rows_do_not_depend_on_their_batch(tiny):
     """One context alone, in batches of every size and order, behind its cached prefix or not."""
     model, tokenizer, alone = tiny
     rng = random.Random(1)
-    prompt = [rng.randrange(VOCAB) for _ in range(200)]
+    prompt = [rng.randrange(VOCAB) for _ in range(400)]
     target = [*prompt, *(rng.randrange(VOCAB) for _ in range(9))]
-    others = [[*prompt[: rng.randrange(1, 200)], rng.randrange(VOCAB)] for _ in range(20)]
+    others = [[*prompt[: rng.randrange(1, 400)], rng.randrange(VOCAB)] for _ in range(20)]
     for size in (1, 2, 3, 7, 15, 16, 21):
         for warm in (False, True):
             llm = exact_llm(model, tokenizer)
@@ -237,9 +236,9 @@ def test_scores_are_the_rows_computed_alone(tiny):
     model, tokenizer, alone = tiny
     rng = random.Random(2)
     llm = exact_llm(model, tokenizer)
-    context = [rng.randrange(VOCAB) for _ in range(140)]
+    context = [rng.randrange(VOCAB) for _ in range(300)]
     continuations = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 70)]
-    llm.next_token_logprobs_sync(context[:100])  # part of the context cached
+    llm.next_token_logprobs_sync(context[:270])  # part of the context cached (a span and more)
     scores = llm.batch_continuation_logprobs_sync(context, continuations)
     for continuation, found in zip(continuations, scores):
         expected = torch.stack(
@@ -252,7 +251,7 @@ def test_eviction_under_a_tiny_budget_keeps_rows_exact(tiny):
     model, tokenizer, alone = tiny
     rng = random.Random(3)
     llm = exact_llm(model, tokenizer, kv_cache_bytes=200_000)
-    prompt = [rng.randrange(VOCAB) for _ in range(130)]
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
     for _ in range(3):
         batch = [
             [*prompt, *(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 60)))]
@@ -267,7 +266,7 @@ def histories(draw):
     """Batches over a few prompts: new branches, extensions of earlier contexts, and their prefixes."""
     prompts = draw(
         st.lists(
-            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=260), min_size=1, max_size=3
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=400), min_size=1, max_size=3
         )
     )
     batches = []
@@ -283,7 +282,7 @@ def histories(draw):
                 context = base[: draw(st.integers(1, len(base)))]
             else:
                 context = list(base)
-            context = context[:400]
+            context = context[:500]
             batch.append(context)
             seen.append(context)
         batches.append(batch)
@@ -395,7 +394,7 @@ def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_mod
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     alone = Alone(model, len(tokenizer))
     rng = random.Random(4)
-    prompt = [rng.randrange(VOCAB) for _ in range(140)]
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
     batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 2, 9, 30)]
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
@@ -435,7 +434,7 @@ def test_gpt2_rows_are_the_rows_computed_alone(tiny_gpt2):
     model, tokenizer = tiny_gpt2
     alone = Alone(model, len(tokenizer))
     rng = random.Random(5)
-    prompt = [rng.randrange(VOCAB) for _ in range(130)]
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
     batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 4, 20)]
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
@@ -469,7 +468,7 @@ def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, m
     padded.pieces = True
     alone = Alone(model, VOCAB)
     rng = random.Random(6)
-    prompt = [rng.randrange(VOCAB) for _ in range(70)]
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
     batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 2, 5, 9, 30, 70)]
     runner = HFRunner(model, KVPrefixTree(1 << 30), VOCAB, deterministic=True)
     runner.logprobs([tuple(prompt)])

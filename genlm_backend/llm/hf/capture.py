@@ -24,7 +24,7 @@ import torch
 from genlm_backend.cache.kv_block import KVBlock, Piece
 from genlm_backend.llm.hf.attention import Cascade, Level
 from genlm_backend.llm.hf.compat import StaticCaches, grouped_kv_attention
-from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout
+from genlm_backend.llm.hf.exact import SPAN_TOKENS, ExactLayout
 from genlm_backend.llm.runner import fit_to_vocab
 from genlm_backend.tokenization.token import gc_paused
 
@@ -214,7 +214,7 @@ def decode_one_token(
     if exact is not None:
         config = model.config.get_text_config(decoder=True)
         num_groups = config.num_attention_heads // storage.shape[3]
-        placed = [(level, offset // BLOCK_TOKENS) for level, offset in zip(levels, graph.offsets)]
+        placed = [(level, offset // SPAN_TOKENS) for level, offset in zip(levels, graph.offsets)]
         layout = ExactLayout.of_step(
             inputs[_SPLITS], firsts, writes, placed, num_groups, storage.shape[4]
         )

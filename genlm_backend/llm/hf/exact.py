@@ -46,7 +46,14 @@ from genlm_backend.cache.plan import PassPlan
 from genlm_backend.llm.hf.attention import Level
 
 BLOCK_TOKENS = 64
-"""Keys per attention block."""
+"""Keys per attention block (one product of weights and values each)."""
+
+SPAN_BLOCKS = 4
+"""Blocks per span: a span's blocks are summed first, then the spans (:func:`span_sums`)."""
+
+SPAN_TOKENS = SPAN_BLOCKS * BLOCK_TOKENS
+"""Keys per span. Levels start and end at span boundaries (``LevelPolicy.block_tokens``), so a
+level's blocks are summed into its spans once for all the rows that read it."""
 
 QUERY_CHUNK = 128
 """New positions per row computed together: a longer pass's positions go in runs of this many,
@@ -156,6 +163,21 @@ def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.narrow(dim, 0, 1).squeeze(dim)
 
 
+def span_sums(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sums of each :data:`SPAN_BLOCKS` blocks along ``dim``, each by :func:`sum_in_halves`
+    (a last span of fewer blocks as if padded with zero blocks)."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    whole = size - size % SPAN_BLOCKS
+    parts = []
+    if whole:
+        spans = x.narrow(dim, 0, whole).unflatten(dim, (-1, SPAN_BLOCKS))
+        parts.append(sum_in_halves(spans, dim + 1))
+    if whole < size:
+        parts.append(sum_in_halves(x.narrow(dim, whole, size - whole), dim).unsqueeze(dim))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def pad_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     """``x`` with zero rows appended along ``dim`` up to :data:`MIN_ROWS` (``x`` itself when it has as many)."""
     num_rows = x.shape[dim]
@@ -175,32 +197,32 @@ class ExactLayout:
     (padding points at the row's first slot and is masked).
     ``own_bias``: ``[B, 1, M, NBo * b]`` float32, ``0`` where query ``m`` (grouped
     heads, then new positions) sees the key, ``-inf`` where it does not.
-    ``own_blocks``: ``[B, 1, 1, NBo]``, the position-order block index of
-    each row's own blocks. ``levels``: each level with its first block.
+    ``own_spans``: ``[B, NSo]``, the position-order span index of each
+    row's own spans. ``levels``: each level with its first span.
     """
 
     own_index: torch.Tensor
     own_bias: torch.Tensor
-    own_blocks: torch.Tensor
-    num_blocks: int
+    own_spans: torch.Tensor
+    num_spans: int
     levels: tuple[tuple[Level, int], ...]
     covered: bool = False
-    """Every row's every block is written by its own part or a level it reads (no zeros needed)."""
+    """Every row's every span is written by its own part or a level it reads (no zeros needed)."""
     own_only: bool = False
-    """No levels, and every row's own blocks are its blocks ``0, 1, ...``: the blocks of the
+    """No levels, and every row's own spans are its spans ``0, 1, ...``: the spans of the
     own part's partial results are already in position order (merged where they are)."""
     chunks: tuple[tuple[int, int, ExactLayout], ...] = ()
     """For a pass of more than :data:`QUERY_CHUNK` new positions: ``(first, end, layout)``
     of each run of positions, computed apart, each over the own keys it can see."""
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def own_block_rows(self) -> torch.Tensor:
-        """Where each row's own blocks go among ``B * num_blocks`` block rows, ``[B * NBo]``."""
-        rows = self._rows.get("blocks")
+    def own_span_rows(self) -> torch.Tensor:
+        """Where each row's own spans go among ``B * num_spans`` span rows, ``[B * NSo]``."""
+        rows = self._rows.get("spans")
         if rows is None:
-            blocks = self.own_blocks[:, 0, 0, :]  # [B, NBo]
-            first = torch.arange(blocks.shape[0], device=blocks.device)[:, None] * self.num_blocks
-            rows = self._rows["blocks"] = (first + blocks).flatten()
+            spans = self.own_spans  # [B, NSo]
+            first = torch.arange(spans.shape[0], device=spans.device)[:, None] * self.num_spans
+            rows = self._rows["spans"] = (first + spans).flatten()
         return rows
 
     def own_rows(self, num_kv_heads: int, num_slots: int) -> torch.Tensor:
@@ -234,23 +256,26 @@ class ExactLayout:
         query_at = torch.tensor([row.reused for row in plan.rows])[:, None] + torch.arange(num_new)
         visible = (keys < lengths)[:, None, :] & (key_at[:, None, :] <= query_at[:, :, None])
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, -torch.inf)
-        first_blocks = torch.tensor(splits) // b
-        own_blocks = first_blocks[:, None] + torch.arange(num_own_blocks)
+        first_spans = torch.tensor(splits) // SPAN_TOKENS
+        own_spans = first_spans[:, None] + torch.arange(-(-num_own_blocks // SPAN_BLOCKS))
         placed = []
-        levels_end = 0  # the block after the last level's
-        level_spans = []  # (first block, end block, reader rows)
+        levels_end = 0  # the span after the last level's
+        level_spans = []  # (first span, end span, reader rows)
         # levels come in the order of planner.level_readers; a level's first key is its entry's offset
         for level, ((entry, n), readers) in zip(
             levels, planner.level_readers(plan.rows), strict=True
         ):
-            assert entry.offset % b == 0 and n % b == 0, "levels span whole blocks"
-            placed.append((level, entry.offset // b))
-            levels_end = max(levels_end, (entry.offset + n) // b)
-            level_spans.append((entry.offset // b, (entry.offset + n) // b, readers))
+            assert entry.offset % SPAN_TOKENS == 0 and n % SPAN_TOKENS == 0, (
+                "levels span whole spans"
+            )
+            first, end = entry.offset // SPAN_TOKENS, (entry.offset + n) // SPAN_TOKENS
+            placed.append((level, first))
+            levels_end = max(levels_end, end)
+            level_spans.append((first, end, readers))
 
-        def is_covered(num_blocks: int, num_own: int) -> bool:
-            written = torch.zeros(len(plan.rows), num_blocks, dtype=torch.bool)
-            for i, first in enumerate(first_blocks.tolist()):
+        def is_covered(num_spans: int, num_own: int) -> bool:
+            written = torch.zeros(len(plan.rows), num_spans, dtype=torch.bool)
+            for i, first in enumerate(first_spans.tolist()):
                 written[i, first : first + num_own] = True
             for first, end, readers in level_spans:
                 written[readers, first:end] = True
@@ -260,19 +285,20 @@ class ExactLayout:
             # own key j is visible to position t only if j <= own past + t: later blocks are left out
             seen = -(-(max(row.num_own_past for row in plan.rows) + end) // b) * b
             seen = min(seen, num_own_blocks * b) if not chunks else num_own_blocks * b
-            # blocks past the last one seen would add exact zeros to the merge: left out too
-            num_blocks = max(int(own_blocks[:, seen // b - 1].max()) + 1, levels_end)
+            # spans past the last one seen would add exact zeros to the merge: left out too
+            num_own = -(-seen // SPAN_TOKENS)
+            num_spans = max(int(own_spans[:, num_own - 1].max()) + 1, levels_end)
             part = bias[:, None, first:end, :seen].expand(-1, num_groups, -1, -1)
             # queries as the products take them: grouped heads, then positions; padded to MIN_ROWS
             part = pad_rows(part.flatten(1, 2), dim=1)  # [B, M, S]
             return cls(
                 own_index=index[:, :seen].to(device),
                 own_bias=part[:, None].contiguous().to(device),
-                own_blocks=own_blocks[:, None, None, : seen // b].to(device),
-                num_blocks=num_blocks,
+                own_spans=own_spans[:, :num_own].to(device),
+                num_spans=num_spans,
                 levels=tuple(placed),
-                covered=not chunks and is_covered(num_blocks, seen // b),
-                own_only=not placed and not first_blocks.any() and num_blocks == seen // b,
+                covered=not chunks and is_covered(num_spans, num_own),
+                own_only=not placed and not first_spans.any() and num_spans == num_own,
                 chunks=chunks,
             )
 
@@ -302,13 +328,13 @@ class ExactLayout:
 
         Row ``i``'s own part is slots ``[firsts[i], writes[i]]`` of the graph's
         storage (``num_slots`` slots), the context's tokens from ``splits[i]``
-        on (a multiple of :data:`BLOCK_TOKENS`: the tokens it reads as
+        on (a multiple of :data:`SPAN_TOKENS`: the tokens it reads as
         levels). Every level is read by every row, each weighing nothing for
         the rows its ``row_bias`` leaves out; ``levels`` pairs each with its
-        first block. The shapes depend only on the graph, so they hold for
+        first span. The shapes depend only on the graph, so they hold for
         every replay: the own part is gathered over all the storage's blocks
         (those past a row's last key add exact zeros to its merge), and the
-        block buffers have room for any row's own blocks after any level.
+        span buffers have room for any row's own spans after any level.
         """
         b = BLOCK_TOKENS
         num_own_blocks = -(-num_slots // b)
@@ -317,16 +343,16 @@ class ExactLayout:
         index = torch.where(visible, firsts[:, None] + keys, firsts[:, None])
         bias = torch.zeros(visible.shape, dtype=torch.float32, device=firsts.device)
         bias = bias.masked_fill_(~visible, -torch.inf)[:, None].expand(-1, num_groups, -1)
-        own_blocks = (splits // b)[:, None] + torch.arange(num_own_blocks, device=firsts.device)
+        num_own = -(-num_own_blocks // SPAN_BLOCKS)
+        own_spans = (splits // SPAN_TOKENS)[:, None] + torch.arange(num_own, device=firsts.device)
         levels_end = max(
-            (first + level.length // b for level, first in levels),
-            default=0,
+            (first + level.length // SPAN_TOKENS for level, first in levels), default=0
         )
         return cls(
             own_index=index,
             own_bias=pad_rows(bias, dim=1)[:, None].contiguous(),
-            own_blocks=own_blocks[:, None, None, :],
-            num_blocks=levels_end + num_own_blocks,
+            own_spans=own_spans,
+            num_spans=levels_end + num_own,
             levels=tuple(levels),
             own_only=not levels,
         )
@@ -380,8 +406,8 @@ def _block_partials(
     return weights.sum(-1), out.float()
 
 
-def _block_buffer(like: torch.Tensor, shape: tuple[int, ...], layout: ExactLayout) -> torch.Tensor:
-    """Float32 partial results of every row's blocks: zeros where a row has blocks no part writes."""
+def _span_buffer(like: torch.Tensor, shape: tuple[int, ...], layout: ExactLayout) -> torch.Tensor:
+    """Float32 partial results of every row's spans: zeros where a row has spans no part writes."""
     if layout.covered:
         return like.new_empty(shape, dtype=torch.float32)
     return like.new_zeros(shape, dtype=torch.float32)
@@ -429,7 +455,7 @@ def exact_attention(
     num_queries = (
         num_q_heads // num_kv_heads * num_new
     )  # per key/value head: grouped, then positions
-    num_blocks = layout.num_blocks
+    num_spans = layout.num_spans
     grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim) * scale
     padded = pad_rows(grouped)  # [B, Hkv, M, D]
 
@@ -460,44 +486,46 @@ def exact_attention(
         shared.append((level, first, num_readers, scores, level_values[0]))
     top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding) gets zeros
     s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
-    if layout.own_only:  # [B, Hkv, NB, M, ...]: the merge below, over the same blocks in order
-        total = sum_in_halves(s[..., :num_queries], 2)[..., None]
-        out = sum_in_halves(o[..., :num_queries, :], 2) / torch.where(total > 0, total, 1.0)
+    # [B, Hkv, NSo, M] and [B, Hkv, NSo, M, D]: each own span's sums
+    s = span_sums(s[..., :num_queries], 2)
+    o = span_sums(o[..., :num_queries, :], 2)
+    if layout.own_only:  # the merge below, over the same spans in order
+        total = sum_in_halves(s, 2)[..., None]
+        out = sum_in_halves(o, 2) / torch.where(total > 0, total, 1.0)
         out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
         return out.to(query.dtype)
 
-    # each block's partial results, blocks leading: [B, NB, Hkv, M] and [B, NB, Hkv, M, D]
-    block_sum = _block_buffer(query, (num_rows, num_blocks, num_kv_heads, num_queries), layout)
-    block_out = _block_buffer(
-        query, (num_rows, num_blocks, num_kv_heads, num_queries, head_dim), layout
+    # each span's partial results, spans leading: [B, NS, Hkv, M] and [B, NS, Hkv, M, D]
+    span_sum = _span_buffer(query, (num_rows, num_spans, num_kv_heads, num_queries), layout)
+    span_out = _span_buffer(
+        query, (num_rows, num_spans, num_kv_heads, num_queries, head_dim), layout
     )
-    # [B, Hkv, NBo, M, ...] -> rows of [B * NB, Hkv, M, ...] at each row's own blocks
-    at = layout.own_block_rows()
-    flat = (num_rows * num_blocks, num_kv_heads, num_queries)
-    block_sum.view(flat).index_copy_(0, at, s[..., :num_queries].transpose(1, 2).flatten(0, 1))
-    block_out.view(*flat, head_dim).index_copy_(
-        0, at, o[..., :num_queries, :].transpose(1, 2).flatten(0, 1)
-    )
+    # [B, Hkv, NSo, M, ...] -> rows of [B * NS, Hkv, M, ...] at each row's own spans
+    at = layout.own_span_rows()
+    flat = (num_rows * num_spans, num_kv_heads, num_queries)
+    span_sum.view(flat).index_copy_(0, at, s.transpose(1, 2).flatten(0, 1))
+    span_out.view(*flat, head_dim).index_copy_(0, at, o.transpose(1, 2).flatten(0, 1))
     for level, first, num_readers, scores, values in shared:
         readers_top = top if level.rows is None else top.index_select(0, level.rows)
         together_top = pad_rows(readers_top.transpose(0, 1).flatten(1, 2), dim=-1)  # [Hkv, R * M']
         s, o = _block_partials(scores, values, together_top)
-        nb = s.shape[1]
-        # [Hkv, nb, R * M, ...] -> [R, nb, Hkv, M, ...]
-        s = s[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
-        o = o[:, :, : num_readers * num_queries].unflatten(2, (num_readers, num_queries))
-        span = slice(first, first + nb)
-        if level.row_bias is not None:  # zeros for the rows left out: added to their own blocks
-            block_sum[:, span] += s.permute(2, 1, 0, 3)
-            block_out[:, span] += o.permute(2, 1, 0, 3, 4)
+        # [Hkv, nb, R * M, ...] -> its spans, [Hkv, ns, R * M, ...] -> [R, ns, Hkv, M, ...]
+        s = span_sums(s[:, :, : num_readers * num_queries], 1)
+        o = span_sums(o[:, :, : num_readers * num_queries], 1)
+        s = s.unflatten(2, (num_readers, num_queries)).permute(2, 1, 0, 3)
+        o = o.unflatten(2, (num_readers, num_queries)).permute(2, 1, 0, 3, 4)
+        spans = slice(first, first + s.shape[1])
+        if level.row_bias is not None:  # zeros for the rows left out: added to their own spans
+            span_sum[:, spans] += s
+            span_out[:, spans] += o
             continue
         rows = slice(None) if level.rows is None else level.rows
-        block_sum[rows, span] = s.permute(2, 1, 0, 3)
-        block_out[rows, span] = o.permute(2, 1, 0, 3, 4)
+        span_sum[rows, spans] = s
+        span_out[rows, spans] = o
 
-    # merge: blocks past a query's keys add exact zeros, and sums do not group by the block count
-    total = sum_in_halves(block_sum, 1)[..., None]
-    out = sum_in_halves(block_out, 1) / torch.where(total > 0, total, 1.0)
+    # merge: spans past a query's keys add exact zeros, and sums do not group by the span count
+    total = sum_in_halves(span_sum, 1)[..., None]
+    out = sum_in_halves(span_out, 1) / torch.where(total > 0, total, 1.0)
     # [B, Hkv, g * L, D] -> [B, L, Hq, D]
     out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
     return out.to(query.dtype)

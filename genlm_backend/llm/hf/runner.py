@@ -41,7 +41,7 @@ from genlm_backend.llm.hf.compat import (
     shared_levels_unsupported,
 )
 from genlm_backend.llm.hf.exact import (
-    BLOCK_TOKENS,
+    SPAN_TOKENS,
     ExactLayout,
     PaddedMatmuls,
     exact_rows_unsupported,
@@ -104,7 +104,7 @@ class HFRunner:
             self._padded_matmuls = PaddedMatmuls.of(model)
         self.level_policy = LevelPolicy(
             enabled=self.levels_unsupported is None,
-            block_tokens=BLOCK_TOKENS if deterministic else None,
+            block_tokens=SPAN_TOKENS if deterministic else None,
         )
         self.graphs = StepGraphs(
             lambda: self.model,
