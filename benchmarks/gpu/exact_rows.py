@@ -105,9 +105,9 @@ def rows_probe(model, device: str, label: str) -> None:
 
     start = time.perf_counter()
     rng = random.Random(1)
-    prompt = [rng.randrange(2000) for _ in range(200)]
+    prompt = [rng.randrange(2000) for _ in range(300)]
     target = [*prompt, *(rng.randrange(2000) for _ in range(9))]
-    others = [[*prompt[: rng.randrange(1, 200)], rng.randrange(2000)] for _ in range(20)]
+    others = [[*prompt[: rng.randrange(1, 300)], rng.randrange(2000)] for _ in range(20)]
     batched = Tally()
     for size in (1, 2, 3, 7, 15, 16, 21):
         for warm in (False, True):
@@ -137,7 +137,7 @@ def rows_probe(model, device: str, label: str) -> None:
     graphs = llm.runner.graphs.stats
     llm.close()
     print(
-        f"rows {label}: 24 particles x 8 steps behind a cached 200-token prompt, resampled once: "
+        f"rows {label}: 24 particles x 8 steps behind a cached 300-token prompt, resampled once: "
         f"{stepped.mismatched}/{stepped.rows} differ, largest difference {stepped.worst:.3g} "
         f"({graphs.num_captures} captures, {graphs.num_replays} replays; "
         f"{time.perf_counter() - start:.1f} s)",

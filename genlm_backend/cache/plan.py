@@ -61,10 +61,10 @@ class LevelPolicy:
     ``enabled=False`` copies everything: the layout for models whose
     attention cannot be split (see
     :func:`~genlm_backend.llm.hf.compat.shared_levels_unsupported`).
-    ``block_tokens``: levels only span whole key blocks of that many tokens at
+    ``block_tokens``: levels only span whole runs of that many tokens at
     fixed positions (``0, b, 2b, ...``), the rest of a cached piece is copied:
     the layout of exact attention (:mod:`~genlm_backend.llm.hf.exact`), whose
-    blocks must not depend on where the tree holds a key.
+    spans must not depend on where the tree holds a key.
     """
 
     enabled: bool = True

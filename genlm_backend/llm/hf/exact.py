@@ -20,11 +20,15 @@ What makes a row depend on its neighbours in a plain forward pass, and what this
   ``exp(score - top)``, ``top`` the query's highest score over its whole
   context (an exact maximum, whatever the order), computes each block with the
   same products (16 query rows or more, ``b`` keys, masked keys weighing an
-  exact zero, operands in one memory layout), and merges the blocks with sums
-  of a fixed shape (:func:`sum_in_halves`). A block is computed from wherever
-  the tree holds its keys: a level held once for many rows (the planner's
-  levels start and end at block boundaries: ``LevelPolicy.block_tokens``), or
-  the row's own part.
+  exact zero, operands in one memory layout), sums each span of
+  :data:`SPAN_BLOCKS` blocks, then the spans, with sums of a fixed shape
+  (:func:`span_sums`, :func:`sum_in_halves`). A block is computed from
+  wherever the tree holds its keys: a level held once for many rows (the
+  planner's levels start and end at span boundaries:
+  ``LevelPolicy.block_tokens``, so a level's spans are summed once for all
+  its readers), or the row's own part. A captured one-token step lays the
+  same computation out on the device from the step's inputs
+  (:meth:`ExactLayout.of_step`).
 * **Elementwise ``exp``.** torch computes the elements past a range's last
   whole vectorized step in a scalar loop that rounds otherwise, and where a
   range ends depends on the tensor's size: :func:`exp_of_difference`.
@@ -472,18 +476,19 @@ def exact_attention(
         num_readers = readers.shape[0]
         together = pad_rows(readers.transpose(0, 1).flatten(1, 2))  # [Hkv, R * M', D]
         scores = _scores(together, level_keys[0], None)
-        if level.row_bias is not None:  # every row reads it; those left out weigh nothing
-            queries_bias = level.row_bias[:, None].expand(-1, num_queries).flatten()
-            scores[:, : num_readers * num_queries] += queries_bias[:, None]
         level_top = scores[:, : num_readers * num_queries].amax(-1)  # [Hkv, R * M]
         level_top = level_top.unflatten(1, (num_readers, num_queries)).transpose(0, 1)
+        left_out = None
+        if level.row_bias is not None:  # every row reads it: those left out ignore its scores
+            left_out = (level.row_bias != 0)[:, None, None]  # [R, 1, 1]
+            level_top = level_top.masked_fill(left_out, -torch.inf)
         if level.rows is None:
             top = torch.maximum(top, level_top)
         else:
             top.index_copy_(
                 0, level.rows, torch.maximum(top.index_select(0, level.rows), level_top)
             )
-        shared.append((level, first, num_readers, scores, level_values[0]))
+        shared.append((level, first, num_readers, scores, level_values[0], left_out))
     top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding) gets zeros
     s, o = _block_partials(own_scores, own_values[:, :, :seen], pad_rows(top, dim=-1))
     # [B, Hkv, NSo, M] and [B, Hkv, NSo, M, D]: each own span's sums
@@ -505,8 +510,10 @@ def exact_attention(
     flat = (num_rows * num_spans, num_kv_heads, num_queries)
     span_sum.view(flat).index_copy_(0, at, s.transpose(1, 2).flatten(0, 1))
     span_out.view(*flat, head_dim).index_copy_(0, at, o.transpose(1, 2).flatten(0, 1))
-    for level, first, num_readers, scores, values in shared:
+    for level, first, num_readers, scores, values, left_out in shared:
         readers_top = top if level.rows is None else top.index_select(0, level.rows)
+        if left_out is not None:  # weights exp(score - inf): exact zeros
+            readers_top = readers_top.masked_fill(left_out, torch.inf)
         together_top = pad_rows(readers_top.transpose(0, 1).flatten(1, 2), dim=-1)  # [Hkv, R * M']
         s, o = _block_partials(scores, values, together_top)
         # [Hkv, nb, R * M, ...] -> its spans, [Hkv, ns, R * M, ...] -> [R, ns, Hkv, M, ...]
