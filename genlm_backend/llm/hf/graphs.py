@@ -18,6 +18,10 @@ block moves to a copy if the tree still holds it, and the rows' own parts are
 copied into the storage, whose addresses do not change, so no recapture.
 Own parts outgrowing the storage go to a graph with more slots.
 
+With ``deterministic=True`` the captured function computes the exact rows
+of :mod:`~genlm_backend.llm.hf.exact`, its layout made on the device from
+the same inputs (and each row's first own token: where its levels end).
+
 The graphs themselves, their memory pool and the captured function are
 :mod:`~genlm_backend.llm.hf.capture`'s. Graphs are bounded in number and
 storage (least recently used dropped) and
