@@ -394,8 +394,8 @@ def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_mod
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     alone = Alone(model, len(tokenizer))
     rng = random.Random(4)
-    prompt = [rng.randrange(VOCAB) for _ in range(300)]
-    batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 2, 9, 30)]
+    prompt = [rng.randrange(VOCAB) for _ in range(270)]  # read as a level of one span
+    batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 9, 30)]
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
