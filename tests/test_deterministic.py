@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from genlm_backend.cache.kv_tree import KVPrefixTree
@@ -263,20 +263,26 @@ def test_eviction_under_a_tiny_budget_keeps_rows_exact(tiny):
 
 @st.composite
 def histories(draw):
-    """Batches over a few prompts: new branches, extensions of earlier contexts, and their prefixes."""
-    prompts = draw(
-        st.lists(
-            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=400), min_size=1, max_size=3
+    """Batches over a few prompts: new branches, steps and extensions of earlier contexts, and their prefixes.
+
+    Prompts are short, or long enough (a 256-token span and more) to be read as levels."""
+    lengths = st.one_of(st.integers(1, 120), st.integers(exact.SPAN_TOKENS + 4, 440))
+    prompts = [
+        [token % VOCAB for token in random.Random(seed).choices(range(VOCAB), k=length)]
+        for length, seed in draw(
+            st.lists(st.tuples(lengths, st.integers(0, 2**16)), min_size=1, max_size=3)
         )
-    )
+    ]
     batches = []
     seen: list[list[int]] = [list(p) for p in prompts]
     for _ in range(draw(st.integers(1, 4))):
         batch = []
         for _ in range(draw(st.integers(1, 8))):
             base = draw(st.sampled_from(seen))
-            kind = draw(st.sampled_from(["extend", "prefix", "same"]))
-            if kind == "extend":
+            kind = draw(st.sampled_from(["extend", "step", "prefix", "same"]))
+            if kind == "step":  # a particle's next token: rows of one pass, behind shared levels
+                context = [*base, draw(st.integers(0, VOCAB - 1))]
+            elif kind == "extend":
                 context = base + draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=70))
             elif kind == "prefix":
                 context = base[: draw(st.integers(1, len(base)))]
@@ -290,16 +296,32 @@ def histories(draw):
     return batches, budget
 
 
+_PROMPT = [random.Random(9).randrange(VOCAB) for _ in range(300)]
+STEPS_BEHIND_A_LEVEL = (
+    [[[*_PROMPT, 1], [*_PROMPT, 2]], [[*_PROMPT, 1, 5], [*_PROMPT, 2, 6], [*_PROMPT, 1, 7]]],
+    1 << 30,
+)
+"""A history every run checks: particles stepping behind a prompt read as a level."""
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(history=histories())
+@example(history=STEPS_BEHIND_A_LEVEL)
 def test_any_history_gives_the_rows_computed_alone(tiny, history):
     check_history(tiny, history)
+
+
+def test_the_explicit_history_reads_a_level(tiny, monkeypatch):
+    passes = PassCounter(monkeypatch)
+    check_history(tiny, STEPS_BEHIND_A_LEVEL)
+    assert passes.with_levels >= 2, "both batches read the prompt as a level"
 
 
 @settings(
     max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(history=histories())
+@example(history=STEPS_BEHIND_A_LEVEL)
 def test_any_history_gives_the_rows_computed_alone_in_bfloat16(tiny_bf16, history):
     check_history(tiny_bf16, history)
 

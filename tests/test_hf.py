@@ -129,6 +129,28 @@ def test_context_longer_than_the_model_is_rejected_before_model_work(tiny_gpt2):
     assert llm.stats.num_batches == 0
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_own_pasts_and_new_tokens_beyond_the_longest_sequence_share_a_pass(
+    tiny_llama, deterministic
+):
+    """A cached context stepped beside a new one: the pass's block holds the first's own past
+    and the second's new tokens, more slots than the model has positions (slots are not
+    positions); each row is the plain forward's."""
+    model, tokenizer = tiny_llama
+    limit = model.config.max_position_embeddings
+    rng = random.Random(8)
+    cached = [rng.randrange(2000) for _ in range(limit * 3 // 5)]
+    new = [rng.randrange(2000) for _ in range(limit * 3 // 4)]
+    llm = AsyncTransformer(model, tokenizer, deterministic=deterministic, output_cache_bytes=0)
+    llm.next_token_logprobs_sync(cached)
+    batch = [cached + [1, 2, 3], new]
+    rows = llm.batch_next_token_logprobs_sync(batch)
+    for context, row in zip(batch, rows):
+        torch.testing.assert_close(
+            row, reference(model, context)[: len(tokenizer)], atol=ATOL, rtol=0
+        )
+
+
 def test_a_model_with_linear_attention_layers_is_rejected_by_name():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 

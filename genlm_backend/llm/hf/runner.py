@@ -428,7 +428,11 @@ class HFRunner:
         num_past, num_new = plan.num_past, plan.num_new
         # One-token steps get spare slots, so the next steps can write in place (see kv_block.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
-        num_slots = min(num_past + num_new + num_spare, self._max_positions)
+        # Slots are not positions (position ids are given): rows whose own pasts and new tokens
+        # together pass the model's longest sequence still get every slot they need.
+        num_slots = max(
+            min(num_past + num_new + num_spare, self._max_positions), num_past + num_new
+        )
         num_layers = self._static_cache.num_layers
         num_kv_heads, head_dim = kv_shape(self.model.config)
         shape = (len(plan.rows), num_kv_heads, num_slots, head_dim)
