@@ -209,7 +209,7 @@ def decode_one_token(
     bias = bias.masked_fill_(inputs[_LEVELS:] == 0, float("-inf"))  # [levels, R]
     levels = [dataclasses.replace(level, row_bias=bias[k]) for k, level in enumerate(graph.levels)]
     layers = [(layer[0], layer[1]) for layer in storage.unbind(0)]
-    attention: dict[str, object] = {"genlm_cascade": Cascade(levels)} if levels else {}
+    attention: dict[str, object] = {}
     products: contextlib.AbstractContextManager = contextlib.nullcontext()
     if exact is not None:
         config = model.config.get_text_config(decoder=True)
@@ -219,6 +219,8 @@ def decode_one_token(
             inputs[_SPLITS], firsts, writes, placed, num_groups, storage.shape[4]
         )
         attention, products = {"genlm_exact": layout}, exact()
+    elif levels:
+        attention = {"genlm_cascade": Cascade(levels)}
     with grouped_kv_attention(model), products:
         output = model(
             input_ids=inputs[_TOKENS, :, None],
