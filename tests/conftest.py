@@ -21,6 +21,11 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("GENLM_EXACT_FUSED") == "1":
+    from tests.triton_emulation import row_independent_products
+
+    row_independent_products()
+
 TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
 
 # Fixtures that need the real assets (directly or through request.getfixturevalue).

@@ -150,7 +150,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--random-weights", type=Path, nargs="+", required=True)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--even-refused",
+        action="store_true",
+        help="probe the dtypes deterministic=True refuses on the device too (is the refusal still due?)",
+    )
     args = parser.parse_args()
+    if args.even_refused:
+        from genlm_backend.llm.hf import runner
+
+        runner.exact_rows_unsupported = lambda device, dtype: None
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"# exact_rows: {args.device} ({name}), torch {torch.__version__}", flush=True)
     for dtype in args.dtypes:
@@ -158,7 +167,7 @@ def main() -> None:
     for config in args.random_weights:
         for dtype in args.dtypes:
             refused = exact_rows_unsupported(torch.device(args.device), getattr(torch, dtype))
-            if refused is not None:
+            if refused is not None and not args.even_refused:
                 print(
                     f"rows {config.name} {dtype}: not probed, deterministic=True refuses it: {refused}"
                 )
@@ -166,7 +175,8 @@ def main() -> None:
             model = load_model(
                 argparse.Namespace(random_weights=config, device=args.device, dtype=dtype)
             )
-            rows_probe(model, args.device, f"{config.name} {dtype}")
+            label = f"{config.name} {dtype}" + (" (refused, probed)" if refused else "")
+            rows_probe(model, args.device, label)
             del model
 
 

@@ -45,12 +45,22 @@ python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', tor
 tests() {
     part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
         tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py \
-        tests/test_deterministic.py
+        tests/test_deterministic.py tests/test_exact_fused.py
 }
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
     part exact_rows 100 python3 benchmarks/gpu/exact_rows.py --device cuda \
         --random-weights $CONFIGS/smollm2_135m $CONFIGS/llama3_2_1b --dtypes bfloat16
+}
+# The same probe in the dtypes deterministic=True refuses on CUDA: is the refusal still due?
+exact_rows_refused() {
+    part exact_rows_refused 100 python3 benchmarks/gpu/exact_rows.py --device cuda \
+        --random-weights $CONFIGS/smollm2_135m --dtypes float32 float16 --even-refused
+}
+# One deterministic step's attention in a layer: fused kernels, torch order, flash, the floor.
+kernels() {
+    part kernels_8b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 128
+    part kernels_1b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 64
 }
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
 sampling() { part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300; }
@@ -96,7 +106,7 @@ paired_8b() {
         --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
 }
 
-ORDER="step_8b step_1b tests exact_rows step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
+ORDER="step_8b step_1b tests exact_rows exact_rows_refused kernels step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
 for name in ${PARTS:-$ORDER}; do
     [[ " $ORDER " == *" $name "* ]] || { echo "== $name: no such part (parts: $ORDER)"; exit 2; }
     "$name"

@@ -39,6 +39,9 @@ embeddings, activations, the log-softmax.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +116,32 @@ def exact_rows_unsupported(device: torch.device, dtype: torch.dtype) -> str | No
     if device.type == "cpu":
         return f"on the CPU, rows are exact in float32 and bfloat16 (the model is {dtype})"
     return f"rows are exact on the CPU and on CUDA (bfloat16), not on {device.type}"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_fused_kernels(device: torch.device) -> bool:
+    """Whether exact attention on ``device`` runs the fused kernels of
+    :mod:`~genlm_backend.llm.hf.exact_fused` (another fixed order than :func:`exact_attention`'s
+    torch operations, used for every pass there).
+
+    On CUDA whenever Triton is installed (torch's CUDA wheels bring it), for
+    models whose head size is a power of two (the kernels' tiles). On the
+    CPU only under Triton's interpreter, asked for by ``TRITON_INTERPRET=1``
+    and ``GENLM_EXACT_FUSED=1`` (how the kernels are tested without a GPU).
+    """
+    if not _triton_installed():
+        return False
+    if device.type == "cuda":
+        return True
+    return (
+        device.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and os.environ.get("GENLM_EXACT_FUSED") == "1"
+    )
 
 
 def exp_of_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -445,6 +474,11 @@ def exact_attention(
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
+    head_dim = query.shape[-1]
+    if own is None and not head_dim & (head_dim - 1) and uses_fused_kernels(query.device):
+        from genlm_backend.llm.hf.exact_fused import fused_exact_attention
+
+        return fused_exact_attention(layer, query, key, value, scale, layout)
     if layout.chunks:
         own = _own_blocks(key, value, layout)
         return torch.cat(
