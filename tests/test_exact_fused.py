@@ -58,6 +58,9 @@ def test_fused_rows_agree_with_the_torch_order_and_a_plain_forward(device, monke
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = build_tiny_llama(VOCAB).to(device=device, dtype=dtype)
     model.config._attn_implementation = "sdpa"
+    model.config.max_position_embeddings = (
+        1024  # two nested 256-token levels and more (RoPE has no limit)
+    )
     rng = random.Random(4)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (300, 20)]
     nested = [*prompts[0], *(rng.randrange(VOCAB) for _ in range(260))]  # a second level
@@ -80,3 +83,20 @@ def test_fused_rows_agree_with_the_torch_order_and_a_plain_forward(device, monke
             torch.testing.assert_close(
                 row, reference(model, context)[:VOCAB].cpu(), atol=ATOL, rtol=0
             )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_means_are_means_and_a_row_s_bits_do_not_depend_on_the_others(device):
+    """An RMS norm's mean under :class:`RowMeans`: torch's mean within rounding, and a row's
+    bits the same alone, among 5 rows, and among 300 (torch's CUDA launch shape follows the count)."""
+    from genlm_backend.llm.hf.exact_fused import RowMeans, row_means
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 2048, device=device)
+    with RowMeans():
+        means = [x[:n].pow(2).mean(-1, keepdim=True) for n in (1, 5, 300)]
+        untouched = x.mean(0)  # not over the last dimension: torch's own
+    torch.testing.assert_close(means[2], x.pow(2).mean(-1, keepdim=True), atol=1e-5, rtol=1e-6)
+    assert torch.equal(means[2], row_means(x.pow(2), keepdim=True))  # the mode computed them
+    assert means[0].shape == (1, 1) and untouched.shape == (2048,)
+    assert torch.equal(means[0], means[1][:1]) and torch.equal(means[1], means[2][:5])

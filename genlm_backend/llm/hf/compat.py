@@ -22,8 +22,9 @@ from contextlib import contextmanager
 
 import torch
 
+from genlm_backend.llm.hf import exact as exact_rows
 from genlm_backend.llm.hf.attention import Cascade, cascade_attention
-from genlm_backend.llm.hf.exact import ExactLayout, exact_attention
+from genlm_backend.llm.hf.exact import ExactLayout
 from genlm_backend.llm.runner import Adapter
 
 SUPPORTED_TRANSFORMERS = (5, 6)
@@ -143,7 +144,7 @@ def _genlm_attention(
     ``genlm_cascade`` (the pass's levels) and ``genlm_causal`` (the mask is plain causal over
     every key) reach it as keywords of the model's forward call, which
     transformers hands to every attention function. ``genlm_exact`` (the pass's
-    :class:`~genlm_backend.llm.hf.exact.ExactLayout`) asks for :func:`~genlm_backend.llm.hf.exact.exact_attention`.
+    :class:`~genlm_backend.llm.hf.exact.ExactLayout`) asks for exact attention (:func:`_exact_attention`).
     """
     if genlm_exact is not None:
         unsupported = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
@@ -152,7 +153,7 @@ def _genlm_attention(
                 f"exact attention cannot serve this model's attention arguments {unsupported}"
             )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return exact_attention(module.layer_idx, query, key, value, scale, genlm_exact), None
+        return _exact_attention(module.layer_idx, query, key, value, scale, genlm_exact), None
     if (
         genlm_causal
         and not dropout
@@ -181,6 +182,25 @@ def _genlm_attention(
 
 # ``sliding_window`` is not among them: contexts never exceed the window (see attention_window).
 _UNSUPPORTED_BY_LEVELS = ("s_aux", "sinks", "position_bias", "softcap", "cache")
+
+
+def _exact_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    layout: ExactLayout,
+) -> torch.Tensor:
+    """Exact attention in the device's one fixed order: the fused kernels where they run
+    (:func:`~genlm_backend.llm.hf.exact.uses_fused_kernels`; head sizes that are powers of two),
+    else :func:`~genlm_backend.llm.hf.exact.exact_attention`'s torch operations."""
+    head_dim = query.shape[-1]
+    if not head_dim & (head_dim - 1) and exact_rows.uses_fused_kernels(query.device):
+        from genlm_backend.llm.hf.exact_fused import fused_exact_attention
+
+        return fused_exact_attention(layer, query, key, value, scale, layout)
+    return exact_rows.exact_attention(layer, query, key, value, scale, layout)
 
 
 @contextmanager

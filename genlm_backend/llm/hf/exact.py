@@ -34,7 +34,13 @@ What makes a row depend on its neighbours in a plain forward pass, and what this
   range ends depends on the tensor's size: :func:`exp_of_difference`.
 
 Everything else a decoder layer does is per row: embeddings, norms, rotary
-embeddings, activations, the log-softmax.
+embeddings, activations, the log-softmax; except, on CUDA, a norm's mean,
+whose reduction splits a row among more threads when a pass has few rows
+(computed one row per program there: ``exact_fused.RowMeans``).
+
+On CUDA, where Triton is installed, the runner computes exact attention with
+:mod:`~genlm_backend.llm.hf.exact_fused`'s kernels instead (another fixed
+order, over the same :class:`ExactLayout`): :func:`uses_fused_kernels`.
 """
 
 from __future__ import annotations
@@ -129,7 +135,8 @@ def uses_fused_kernels(device: torch.device) -> bool:
     torch operations, used for every pass there).
 
     On CUDA whenever Triton is installed (torch's CUDA wheels bring it), for
-    models whose head size is a power of two (the kernels' tiles). On the
+    models whose head size is a power of two (the kernels' tiles: the
+    runner's attention function checks that). On the
     CPU only under Triton's interpreter, asked for by ``TRITON_INTERPRET=1``
     and ``GENLM_EXACT_FUSED=1`` (how the kernels are tested without a GPU).
     """
@@ -474,11 +481,6 @@ def exact_attention(
     Returns:
         ``[B, L, Hq, D]`` in ``query``'s dtype, the layout transformers' attention functions return.
     """
-    head_dim = query.shape[-1]
-    if own is None and not head_dim & (head_dim - 1) and uses_fused_kernels(query.device):
-        from genlm_backend.llm.hf.exact_fused import fused_exact_attention
-
-        return fused_exact_attention(layer, query, key, value, scale, layout)
     if layout.chunks:
         own = _own_blocks(key, value, layout)
         return torch.cat(

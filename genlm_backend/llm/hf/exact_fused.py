@@ -4,16 +4,16 @@
 independent of its batch with torch operations: every score first, an exact
 maximum, block sums merged in a fixed tree. That is some 70 kernels a layer
 on CUDA, and a one-token step spends its time launching and running them.
-This module computes the same function in two kernels a layer, with another
-fixed order:
+This module computes the same function in one kernel a layer for the rows'
+own parts and one for each level, with another fixed order:
 
 * each query's keys go in blocks of :data:`BLOCK_KEYS` at fixed positions
   (``0, b, 2b, ...``), always in that order, folded into a running maximum,
   sum of weights and weighted values (flash attention's online softmax);
 * the fold's state is carried from source to source in position order: each
   level (a cached prefix held once, read by many rows) folds its blocks for
-  all its readers' queries together (:func:`_fold_level`), and its readers'
-  own parts go on from the state it leaves (:func:`_fold_own`);
+  all its readers' queries together (``fold_level``), and its readers'
+  own parts go on from the state it leaves (``fold_own``);
 * a block is folded by the same code whatever holds its keys and whatever
   else shares the program: ``BLOCK_QUERIES`` queries a program, one block
   shape, one product shape, so a query's arithmetic depends only on its
@@ -34,6 +34,8 @@ runs these kernels on the CPU (``TRITON_INTERPRET=1``), which the tests use.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -97,8 +99,8 @@ def fused_exact_attention(
             num_readers = num_rows if level.rows is None else level.rows.numel()
             rows = level.rows if level.rows is not None else out  # out: an unread pointer
             row_bias = level.row_bias if level.row_bias is not None else out
-            grid = (num_kv_heads, -(-num_readers * num_queries // BLOCK_QUERIES))
-            fold_level[grid](
+            level_grid = (num_kv_heads, -(-num_readers * num_queries // BLOCK_QUERIES))
+            fold_level[level_grid](
                 query, *query.stride(),
                 level_keys[0], *level_keys[0].stride(),
                 level_values[0], *level_values[0].stride(),
@@ -241,3 +243,74 @@ def fold_own(
         + dims[None, :] * sod,
         out.to(OUT.dtype.element_ty), mask=valid[:, None],
     )  # fmt: skip
+
+
+class RowMeans(torch.overrides.TorchFunctionMode):
+    """While active, a mean over the last dimension of a CUDA tensor (an RMS norm's) is computed
+    one row per program (:func:`row_means`).
+
+    torch's CUDA reductions split a row among more threads when there are few
+    rows (their launch shape follows the number of outputs). On an H100
+    (torch 2.11, the Llama-3.2-1B shape) a position got other keys in a
+    5-token pass than in a 53-token one while every attention call and every
+    projection gave the same bits for the same inputs: a norm's mean is the
+    reduction left in the layer. Other functions run as they are.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.mean or func is torch.mean:
+            keepdim = _last_dim_mean(args, kwargs)
+            if keepdim is not None:
+                return row_means(args[0], keepdim)
+        return func(*args, **kwargs)
+
+
+def _last_dim_mean(args, kwargs) -> bool | None:
+    """``keepdim`` of a ``mean`` call over the last dimension of a floating CUDA tensor (``None``: another call)."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or x.device.type == "meta" or x.dim() == 0:
+        return None
+    if not (x.is_cuda or uses_interpreter()) or not x.is_floating_point():
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if isinstance(dim, (tuple, list)):
+        dim = dim[0] if len(dim) == 1 else None
+    if dim is None or dim % x.dim() != x.dim() - 1 or kwargs.get("dtype") is not None:
+        return None
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return bool(keepdim)
+
+
+def uses_interpreter() -> bool:
+    """Whether Triton runs its kernels on the CPU here (``TRITON_INTERPRET=1``, the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def row_means(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    """``x.mean(-1, keepdim)``, each row summed in float32 by one program in a fixed order."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows, num_cols = rows.shape
+    out = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows:
+        block = triton.next_power_of_2(num_cols)
+        row_mean[(num_rows,)](
+            rows,
+            out,
+            num_cols,
+            rows.stride(0),
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
+        )
+    shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
+    return out.view(shape).to(x.dtype)
+
+
+@triton.jit
+def row_mean(X, OUT, num_cols, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_row + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+    tl.store(OUT + row, tl.sum(x, axis=0) / num_cols)

@@ -45,6 +45,7 @@ from genlm_backend.llm.hf.exact import (
     ExactLayout,
     PaddedMatmuls,
     exact_rows_unsupported,
+    uses_fused_kernels,
 )
 from genlm_backend.llm.hf.graphs import StepGraphs
 from genlm_backend.llm.runner import (
@@ -412,9 +413,20 @@ class HFRunner:
             return
         padded.active = True
         try:
-            yield
+            with self._exact_reductions():
+                yield
         finally:
             padded.active = False
+
+    def _exact_reductions(self) -> contextlib.AbstractContextManager:
+        """While active, a norm's mean over a row is computed in one order whatever the other rows
+        (:class:`~genlm_backend.llm.hf.exact_fused.RowMeans`, where the fused kernels run; on the
+        CPU a row's sum does not depend on the others)."""
+        if not uses_fused_kernels(self.device):
+            return contextlib.nullcontext()
+        from genlm_backend.llm.hf.exact_fused import RowMeans
+
+        return RowMeans()
 
     def _read_positions(self, plan: PassPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, positions)`` of ``plan.reads`` as index tensors on the model's device."""
