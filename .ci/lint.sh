@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# ruff (lint and format check) over the whole tree and mypy over the package,
-# at the versions pinned in the `lint` extra, in their own venv.
+# ruff (lint and format check) over the whole tree, mypy over the package, and the
+# documentation site (mkdocs --strict, no warnings), at the versions pinned in the
+# `lint` and `docs` extras, in one venv of their own.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 fresh_venv
-pip install -q -e ".[lint]"
+# One venv for both: the project and its dependencies install once.
+pip install -q -e ".[lint,docs]"
 ruff check .
 ruff format --check .
 mypy
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$work/site"

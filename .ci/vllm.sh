@@ -30,6 +30,7 @@ python -m pytest -q -p no:randomly -m vllm tests || status=1
 # prompt; here the tiny models' shared-prefix tests cover the same hooks (about 30 s less).
 python -m pytest -q -m "not vllm" \
     --deselect tests/test_hf_shared_prefix.py::test_smollm2_long_prompt_particles_match \
+    --deselect tests/test_models.py::test_resolve_model_path_converts_a_gguf_once \
     tests/test_hf.py tests/test_hf_lora.py tests/test_hf_shared_prefix.py tests/test_compat.py \
     tests/test_tokenization.py tests/test_tokenization_built.py tests/test_tokenization_bytes.py \
     tests/test_models.py tests/test_loader.py tests/test_model_names.py tests/test_scoring.py \
