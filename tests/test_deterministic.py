@@ -25,7 +25,7 @@ from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm import AsyncTransformer, MockAsyncLM
 from genlm_backend.llm import engine as engine_module
 from genlm_backend.llm.engine import BatchingConfig
-from genlm_backend.llm.hf import exact
+from genlm_backend.llm.hf import exact, exact_spans
 from genlm_backend.llm.hf.runner import HFRunner
 from tests import conftest
 from tests.conftest import build_tiny_llama
@@ -191,19 +191,19 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces):
 
 
 def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):
-    """Buffers of layouts said to be covered start as NaN: a block left unwritten would poison its row.
+    """Span buffers of layouts said to be covered start as NaN: a span left unwritten would poison its row.
     Rows reading the prompt as a level beside a row that reads none leave some blocks unwritten."""
     model, tokenizer, alone = tiny
-    real = exact._span_buffer
+    real = exact_spans._span_buffers
     kinds = set()
 
-    def poisoned(like, shape, layout):
+    def poisoned(like, shape, head_dim, layout):
         kinds.add((layout.covered, bool(layout.levels)))
         if layout.covered:
-            return like.new_full(shape, torch.nan, dtype=torch.float32)
-        return real(like, shape, layout)
+            return like.new_full(shape, torch.nan), like.new_full((*shape, head_dim), torch.nan)
+        return real(like, shape, head_dim, layout)
 
-    monkeypatch.setattr(exact, "_span_buffer", poisoned)
+    monkeypatch.setattr(exact_spans, "_span_buffers", poisoned)
     rng = random.Random(7)
     prompt = [rng.randrange(VOCAB) for _ in range(400)]
     batch = [[*prompt, token] for token in range(8)]

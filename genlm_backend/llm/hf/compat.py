@@ -25,6 +25,7 @@ import torch
 from genlm_backend.llm.hf import exact as exact_rows
 from genlm_backend.llm.hf.attention import Cascade, cascade_attention
 from genlm_backend.llm.hf.exact import ExactLayout
+from genlm_backend.llm.hf.exact_spans import span_exact_attention
 from genlm_backend.llm.runner import Adapter
 
 SUPPORTED_TRANSFORMERS = (5, 6)
@@ -194,12 +195,16 @@ def _exact_attention(
 ) -> torch.Tensor:
     """Exact attention in the device's one fixed order: the fused kernels where they run
     (:func:`~genlm_backend.llm.hf.exact.uses_fused_kernels`; head sizes that are powers of two),
-    else :func:`~genlm_backend.llm.hf.exact.exact_attention`'s torch operations."""
+    on the CPU span by span in torch's CPU attention kernel
+    (:func:`~genlm_backend.llm.hf.exact_spans.span_exact_attention`), else
+    :func:`~genlm_backend.llm.hf.exact.exact_attention`'s torch operations."""
     head_dim = query.shape[-1]
     if not head_dim & (head_dim - 1) and exact_rows.uses_fused_kernels(query.device):
         from genlm_backend.llm.hf.exact_fused import fused_exact_attention
 
         return fused_exact_attention(layer, query, key, value, scale, layout)
+    if query.device.type == "cpu":
+        return span_exact_attention(layer, query, key, value, scale, layout)
     return exact_rows.exact_attention(layer, query, key, value, scale, layout)
 
 
