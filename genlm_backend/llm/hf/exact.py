@@ -251,6 +251,10 @@ class ExactLayout:
     own_only: bool = False
     """No levels, and every row's own spans are its spans ``0, 1, ...``: the spans of the
     own part's partial results are already in position order (merged where they are)."""
+    rows_at: tuple[tuple[int, int, int, int], ...] = ()
+    """Per row, on the host: the position of its first own key, its own keys, the position of
+    its first query in this layout and its query count (how the CPU's span order plans a pass:
+    :mod:`~genlm_backend.llm.hf.exact_spans`; empty for a captured step's layout)."""
     chunks: tuple[tuple[int, int, ExactLayout], ...] = ()
     """For a pass of more than :data:`QUERY_CHUNK` new positions: ``(first, end, layout)``
     of each run of positions, computed apart, each over the own keys it can see."""
@@ -339,6 +343,10 @@ class ExactLayout:
                 levels=tuple(placed),
                 covered=not chunks and is_covered(num_spans, num_own),
                 own_only=not placed and not first_spans.any() and num_spans == num_own,
+                rows_at=tuple(
+                    (split, length, row.reused + first, end - first)
+                    for split, length, row in zip(splits, own_lengths, plan.rows, strict=True)
+                ),
                 chunks=chunks,
             )
 

@@ -1,27 +1,37 @@
-"""Exact attention on the CPU: each span of keys through torch's fused CPU attention kernel, the
-spans merged in a fixed tree.
+"""Exact attention on the CPU: spans of keys through torch's fused CPU attention kernel, merged
+in a fixed tree.
 
 torch's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``)
 computes a block of queries against a block of keys with one score product,
 an exact row maximum, a vectorized ``exp`` and sum, and one product with the
-values. Handed exactly :data:`~genlm_backend.llm.hf.exact.SPAN_TOKENS` keys per
-batch entry (one key block: nothing is rescaled) and a multiple of
-:data:`QUERY_ROWS` queries (its query blocks of 32, 64 or 256 then never leave
-a tail of fewer than 16 rows, whose products take another kernel), a query's
-output and log-sum-exp over the span have the same bits whatever else the
-call holds: how many queries, where the query sits among them, how many
-batch entries, a mask of zeros or none, the thread count (measured on torch
-2.13, float32 and bfloat16, an AVX2 CPU: ``tests/test_exact_spans.py``).
+values. Handed a fixed number of keys per batch entry (one key block: nothing
+is rescaled) and a multiple of :data:`QUERY_ROWS` queries (its query blocks of
+32, 64 or 256 then never leave a tail of fewer than 16 rows, whose products
+take another kernel), a query's output and log-sum-exp over those keys have
+the same bits whatever else the call holds: how many queries, where the
+query sits among them, how many batch entries, a mask of zeros or none, the
+thread count (measured on torch 2.13, float32 and bfloat16, an AVX2 CPU:
+``tests/test_exact_spans.py``).
 
-So every span of a query's context is one batch entry of one call, wherever
-its keys are held: a level read by many rows (their queries go in together),
-or the row's own part (gathered into whole spans, the keys it does not see
-masked). A query's spans then merge with weights ``exp(lse - top)``, ``top``
-its highest log-sum-exp (an exact maximum), summed in halves
+A query at position ``p`` reads its context span by span
+(:data:`~genlm_backend.llm.hf.exact.SPAN_TOKENS` keys at fixed positions):
+
+* every span before the one holding ``p`` whole, in one batch entry of
+  ``SPAN_TOKENS`` keys and no mask, wherever its keys are held: a level read
+  by many rows (their queries go in together) or the row's own part;
+* the span holding ``p`` in blocks of :data:`~genlm_backend.llm.hf.exact.BLOCK_TOKENS`
+  keys, those past ``p`` masked (it is always in the row's own part: levels end
+  at span boundaries before a row's first query), the blocks merged into the
+  span.
+
+Which entries a query reads depends only on ``p``; each entry's bits only on
+the query and the keys. The entries then merge with weights ``exp(m - top)``,
+``top`` the query's highest ``m`` (an exact maximum), summed in halves
 (:func:`~genlm_backend.llm.hf.exact.sum_in_halves`), so that spans a query
 does not reach add exact zeros. Another fixed order than
 :func:`~genlm_backend.llm.hf.exact.exact_attention`'s, used for every pass on
-the CPU; it reads the same :class:`~genlm_backend.llm.hf.exact.ExactLayout`.
+the CPU; it reads the same :class:`~genlm_backend.llm.hf.exact.ExactLayout`,
+planned on the host (:class:`SpanPlan`).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from genlm_backend.llm.hf.exact import (
+    BLOCK_TOKENS,
+    SPAN_BLOCKS,
     SPAN_TOKENS,
     ExactLayout,
     exp_of_difference,
@@ -43,84 +55,155 @@ QUERY_ROWS = 16
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _pad_to_multiple(x: torch.Tensor, dim: int, value: float = 0.0) -> torch.Tensor:
+def padded_queries(num_queries: int) -> int:
+    """The query count of a call holding ``num_queries``: the next multiple of :data:`QUERY_ROWS`."""
+    return max(1, -(-num_queries // QUERY_ROWS)) * QUERY_ROWS
+
+
+def _pad_queries(x: torch.Tensor, dim: int) -> torch.Tensor:
     size = x.shape[dim]
-    padded = -(-size // QUERY_ROWS) * QUERY_ROWS
+    padded = padded_queries(size)
     if padded == size:
         return x
     shape = list(x.shape)
     shape[dim] = padded - size
-    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 @dataclass(frozen=True)
-class OwnSpans:
-    """The rows' own parts in whole spans, made once per pass (every layer reads them).
+class SpanPlan:
+    """Where one layout's own parts go through the kernel, made on the host once per pass.
 
-    ``rows``: for a ``[B * Hkv * S, D]`` view of the pass's keys, the rows that
-    gather each row's own keys span by span, ``[B * NSo * SPAN_TOKENS * Hkv]``
-    (keys leading, heads inner: a batch entry per row and span without a copy).
-    ``bias``: ``[B * NSo, 1, Q, SPAN_TOKENS]`` float32 (``Q`` the queries padded to
-    :data:`QUERY_ROWS`), ``0`` where a query sees the key, ``-inf`` where not; ``None``
-    where every query sees every key. ``hidden``: ``[B, NSo, 1, Q]``, a query that
-    sees no key of the span (its log-sum-exp there is set to ``-inf``); ``None`` if none.
+    The rows' own keys are gathered once, ``[B, W, Hkv, D]`` (keys leading);
+    entries name rows of it. ``whole``: the whole spans before each row's
+    last span holding a query, as ``(row, first key)``; ``blocks``: the blocks
+    of the spans holding its queries, with their ``mask`` ``[E, 1, Q, b]``
+    (``0`` or ``-inf``) and ``hidden`` ``[E, 1, Q]`` (a query seeing none of the
+    block's keys); ``unread``: the merge's rows of own spans past all of a row's
+    queries; ``windows``: those spans, each ``(row, span)`` with where it
+    goes among the merge's rows (``window_rows``), which of its queries read it in
+    blocks (``in_blocks`` ``[N, 1, M]``: the span holds the query) or whole
+    (``whole_before``: the span lies before the query's); ``block_window``: each
+    block's place among ``N * SPAN_BLOCKS``.
     """
 
-    rows: torch.Tensor
-    num_spans: int
-    bias: torch.Tensor | None
-    hidden: torch.Tensor | None
+    unread: torch.Tensor
+    whole_rows: torch.Tensor
+    whole_keys: torch.Tensor
+    whole_to: torch.Tensor
+    block_rows: torch.Tensor
+    block_keys: torch.Tensor
+    mask: torch.Tensor
+    hidden: torch.Tensor
+    block_window: torch.Tensor
+    window_rows: torch.Tensor
+    in_blocks: torch.Tensor
+    whole_before: torch.Tensor
 
     @classmethod
-    def of(cls, layout: ExactLayout, num_kv_heads: int, num_slots: int) -> OwnSpans:
-        key = ("spans", num_kv_heads, num_slots)
+    def of(cls, layout: ExactLayout, width: int, num_groups: int) -> SpanPlan:
+        """The plan of ``layout``'s queries over own keys gathered ``width`` wide."""
+        key = ("span plan", width, num_groups)
         made = layout._rows.get(key)
         if made is not None:
             return made
-        index = layout.own_index  # [B, seen]
-        num_rows, seen = index.shape
-        num_spans = -(-seen // SPAN_TOKENS)
-        width = num_spans * SPAN_TOKENS
-        if width > seen:  # padding keys: the row's first slot, masked
-            index = torch.cat([index, index[:, :1].expand(num_rows, width - seen)], dim=1)
-        heads = torch.arange(num_kv_heads, device=index.device)
-        first = torch.arange(num_rows, device=index.device)[:, None, None] * num_kv_heads
-        rows = ((first + heads) * num_slots + index[:, :, None]).flatten()  # [B, width, Hkv]
-        bias = layout.own_bias[:, 0]  # [B, M', seen]
-        if width > seen:
-            bias = torch.nn.functional.pad(bias, (0, width - seen), value=-torch.inf)
-        bias = _pad_to_multiple(bias, dim=1)  # [B, Q, width]
-        num_queries = bias.shape[1]
-        bias = bias.view(num_rows, num_queries, num_spans, SPAN_TOKENS).transpose(1, 2)
-        hidden = (bias == -torch.inf).all(-1)  # [B, NSo, Q]
+        spans_at = layout.own_span_rows().view(len(layout.rows_at), -1)  # [B, NSo] merge rows
+        unread = []  # merge rows of own spans past the row's queries
+        whole = []  # (row, local span)
+        blocks = []  # (row, first own key, window)
+        windows = []  # (row, local span)
+        block_masks, window_choice = [], []
+        for i, (split, length, first_query, num_queries) in enumerate(layout.rows_at):
+            last_key = max(length - 1, 0)
+            positions = torch.arange(first_query, first_query + num_queries) - split
+            spans = torch.clamp(positions, max=last_key) // SPAN_TOKENS  # each query's span
+            low, high = int(spans.min()), int(spans.max())
+            whole += [(i, j) for j in range(high)]
+            unread += spans_at[i, high + 1 :].tolist()
+            for span in range(low, high + 1):
+                for k in range(SPAN_BLOCKS):
+                    start = span * SPAN_TOKENS + k * BLOCK_TOKENS
+                    if start > min(last_key, int(positions.max())):
+                        break
+                    keys = start + torch.arange(BLOCK_TOKENS)
+                    seen = (keys < length) & (keys <= positions[:, None])  # [L, b]
+                    block_masks.append(seen)
+                    blocks.append((i, start, len(windows)))
+                window_choice.append((spans == span, spans > span))
+                windows.append((i, span))
+        num_queries_padded = padded_queries(num_groups * layout.rows_at[0][3])
+
+        def grouped(per_position: torch.Tensor, fill: bool) -> torch.Tensor:
+            # [L, ...] per position -> [M', ...] per query (grouped heads, then positions), padded
+            out = per_position.repeat(num_groups, *([1] * (per_position.dim() - 1)))
+            pad = num_queries_padded - out.shape[0]
+            return torch.cat([out, out.new_full((pad, *out.shape[1:]), fill)]) if pad else out
+
+        seen = torch.stack([grouped(m, True) for m in block_masks])  # [E, Q, b]
+        mask = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, -torch.inf)
+        num_real = num_groups * layout.rows_at[0][3]
         made = cls(
-            rows=rows,
-            num_spans=num_spans,
-            bias=bias.reshape(num_rows * num_spans, 1, num_queries, SPAN_TOKENS),
-            hidden=hidden[:, :, None],
+            unread=torch.tensor(unread, dtype=torch.long),
+            whole_rows=torch.tensor([i for i, _ in whole], dtype=torch.long),
+            whole_keys=torch.tensor(
+                [i * width + j * SPAN_TOKENS for i, j in whole], dtype=torch.long
+            ),
+            whole_to=torch.tensor([int(spans_at[i, j]) for i, j in whole], dtype=torch.long),
+            block_rows=torch.tensor([i for i, _, _ in blocks], dtype=torch.long),
+            block_keys=torch.tensor([i * width + start for i, start, _ in blocks]),
+            mask=mask[:, None],
+            hidden=(~seen.any(-1))[:, None],
+            block_window=torch.tensor(
+                [w * SPAN_BLOCKS + (start % SPAN_TOKENS) // BLOCK_TOKENS for _, start, w in blocks]
+            ),
+            window_rows=torch.tensor([int(spans_at[i, j]) for i, j in windows]),
+            in_blocks=torch.stack([grouped(a, False)[:num_real] for a, _ in window_choice])[
+                :, None
+            ],
+            whole_before=torch.stack([grouped(b, False)[:num_real] for _, b in window_choice])[
+                :, None
+            ],
         )
         layout._rows[key] = made
         return made
 
 
-def _gather_own(key: torch.Tensor, value: torch.Tensor, spans: OwnSpans):
-    """The rows' own keys and values as ``[B, NSo, Hkv, SPAN_TOKENS, D]`` views of one gather each."""
-    num_rows, num_kv_heads, _, head_dim = key.shape
-    shape = (num_rows, spans.num_spans, SPAN_TOKENS, num_kv_heads, head_dim)
-
-    def gather(x):
-        return x.reshape(-1, head_dim).index_select(0, spans.rows).view(shape).transpose(2, 3)
-
-    return gather(key), gather(value)
-
-
-def _per_span(queries: torch.Tensor, num_spans: int) -> torch.Tensor:
-    """``[B, Hkv, Q, D]`` queries once per span, ``[B * num_spans, Hkv, Q, D]`` (a view when it can be)."""
-    num_rows = queries.shape[0]
-    spread = queries[:, None].expand(num_rows, num_spans, *queries.shape[1:])
-    return spread.flatten(0, 1) if num_rows == 1 or num_spans == 1 else spread.reshape(
-        num_rows * num_spans, *queries.shape[1:]
+def _gather_own(key: torch.Tensor, value: torch.Tensor, layout: ExactLayout):
+    """The rows' own keys and values, ``[B, W, Hkv, D]`` (keys leading: a span or block of a
+    row is a run of rows of its ``[B * W, Hkv, D]`` view)."""
+    num_rows, num_kv_heads, num_slots, head_dim = key.shape
+    index = layout.own_index  # [B, W]
+    rows = layout._rows.get("keys leading")
+    if rows is None:
+        heads = torch.arange(num_kv_heads, device=index.device)
+        first = torch.arange(num_rows, device=index.device)[:, None, None] * num_kv_heads
+        rows = layout._rows["keys leading"] = ((first + heads) * num_slots + index[:, :, None]).flatten()
+    shape = (num_rows, index.shape[1], num_kv_heads, head_dim)
+    return (
+        key.reshape(-1, head_dim).index_select(0, rows).view(shape),
+        value.reshape(-1, head_dim).index_select(0, rows).view(shape),
     )
+
+
+def _runs(keys: torch.Tensor, firsts: torch.Tensor, length: int) -> torch.Tensor:
+    """Runs of ``length`` rows of ``keys`` (``[B, W, Hkv, D]``) from each of ``firsts`` (rows of its
+    ``[B * W, ...]`` view), as ``[E, Hkv, length, D]``: a view when they tile one row in order."""
+    num_rows, width, num_kv_heads, head_dim = keys.shape
+    count = firsts.shape[0]
+    if num_rows == 1 and count * length <= width and torch.equal(
+        firsts, torch.arange(count) * length
+    ):
+        return keys[0, : count * length].view(count, length, num_kv_heads, head_dim).transpose(1, 2)
+    rows = (firsts[:, None] + torch.arange(length)).flatten()
+    flat = keys.reshape(-1, num_kv_heads, head_dim).index_select(0, rows)
+    return flat.view(count, length, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _queries_of(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``queries`` (``[B, Hkv, Q, D]``) of each entry's row, ``[E, Hkv, Q, D]`` (a view for one row)."""
+    if queries.shape[0] == 1:
+        return queries.expand(rows.shape[0], *queries.shape[1:])
+    return queries.index_select(0, rows)
 
 
 def span_exact_attention(
@@ -132,12 +215,13 @@ def span_exact_attention(
     layout: ExactLayout,
     own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Exact attention, span by span in torch's CPU attention kernel (arguments and result as
-    :func:`~genlm_backend.llm.hf.exact.exact_attention`'s; ``own``: the rows' own keys and values
-    as spans, ``[B, NSo, Hkv, SPAN_TOKENS, D]``, of which a run of positions reads the first)."""
-    num_rows, num_kv_heads, num_slots, head_dim = key.shape
+    """Exact attention in the span order (arguments and result as
+    :func:`~genlm_backend.llm.hf.exact.exact_attention`'s; ``own``: the rows' own keys and
+    values gathered by the pass's layout, ``[B, W, Hkv, D]``, which its runs of positions read)."""
+    if not layout.rows_at:
+        raise ValueError("the span order plans a pass on the host; a captured step's layout has no plan")
     if layout.chunks:
-        own = _gather_own(key, value, OwnSpans.of(layout, num_kv_heads, num_slots))
+        own = _gather_own(key, value, layout)
         return torch.cat(
             [
                 span_exact_attention(layer, query[:, :, first:end], key, value, scale, part, own)
@@ -145,79 +229,126 @@ def span_exact_attention(
             ],
             dim=1,
         )
+    num_rows, num_kv_heads, _, head_dim = key.shape
     num_q_heads, num_new = query.shape[1], query.shape[2]
-    num_queries = num_q_heads // num_kv_heads * num_new  # grouped heads, then positions
+    num_groups = num_q_heads // num_kv_heads
+    num_queries = num_groups * num_new  # grouped heads, then positions
     grouped = query.reshape(num_rows, num_kv_heads, num_queries, head_dim)
-    spans = OwnSpans.of(layout, num_kv_heads, num_slots)
-    own_keys, own_values = _gather_own(key, value, spans) if own is None else own
-    num_own = spans.num_spans
-    own_keys, own_values = own_keys[:, :num_own].flatten(0, 1), own_values[:, :num_own].flatten(0, 1)
-    queries = _per_span(_pad_to_multiple(grouped, dim=2), num_own)
-    out, lse = _flash(queries, own_keys, own_values, 0.0, False, attn_mask=spans.bias, scale=scale)
-    out = out.unflatten(0, (num_rows, num_own))[..., :num_queries, :]  # [B, NSo, Hkv, M, D]
-    lse = lse.unflatten(0, (num_rows, num_own))  # [B, NSo, Hkv, Q]
-    if spans.hidden is not None:
-        lse = lse.masked_fill(spans.hidden, -torch.inf)
-    lse = lse[..., :num_queries]
-    if layout.own_only:  # the own spans are every row's spans, in order
-        return _merge(lse, out, query)
+    padded = _pad_queries(grouped, dim=2)  # [B, Hkv, Q, D]
+    own_keys, own_values = _gather_own(key, value, layout) if own is None else own
+    plan = SpanPlan.of(layout, own_keys.shape[1], num_groups)
 
-    num_spans = layout.num_spans
-    span_lse, span_out = _span_buffers(
-        lse, (num_rows, num_spans, num_kv_heads, num_queries), head_dim, layout
+    # merge entries per row and span: m (log-scale), s (sum of weights at m), o (weighted values)
+    m, s, o = _span_buffers(
+        query, (num_rows, layout.num_spans, num_kv_heads, num_queries), head_dim, layout
     )
-    at = layout.own_span_rows()
-    span_lse.view(-1, num_kv_heads, num_queries).index_copy_(0, at, lse.flatten(0, 1))
-    span_out.view(-1, num_kv_heads, num_queries, head_dim).index_copy_(
-        0, at, out.flatten(0, 1).float()
-    )
+    flat_m, flat_s = m.view(-1, num_kv_heads, num_queries), s.view(-1, num_kv_heads, num_queries)
+    flat_o = o.view(-1, num_kv_heads, num_queries, head_dim)
+
+    def put(to: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+        flat_m.index_copy_(0, to, lse[..., :num_queries])
+        flat_s.index_fill_(0, to, 1.0)
+        flat_o.index_copy_(0, to, out[..., :num_queries, :].float())
+
+    if plan.unread.numel():  # own spans past every query of the row
+        flat_m.index_fill_(0, plan.unread, -torch.inf)
+        flat_s.index_fill_(0, plan.unread, 0.0)
+        flat_o.index_fill_(0, plan.unread, 0.0)
+    if plan.whole_rows.numel():  # whole own spans, unmasked
+        out, lse = _flash(
+            _queries_of(padded, plan.whole_rows),
+            _runs(own_keys, plan.whole_keys, SPAN_TOKENS),
+            _runs(own_values, plan.whole_keys, SPAN_TOKENS),
+            0.0,
+            False,
+            scale=scale,
+        )
+        put(plan.whole_to, lse, out)
     for level, first in layout.levels:
         level_keys, level_values = level.keys_values(layer)  # [1, Hkv, n, D]
-        level_spans = level_keys.shape[2] // SPAN_TOKENS
-        readers = grouped if level.rows is None else grouped.index_select(0, level.rows)
+        num_spans = level_keys.shape[2] // SPAN_TOKENS
+        readers = padded if level.rows is None else padded.index_select(0, level.rows)
         num_readers = readers.shape[0]
-        together = _pad_to_multiple(readers.transpose(0, 1).flatten(1, 2), dim=1)  # [Hkv, Q, D]
-        keys = level_keys[0].unflatten(1, (level_spans, SPAN_TOKENS)).transpose(0, 1)
-        values = level_values[0].unflatten(1, (level_spans, SPAN_TOKENS)).transpose(0, 1)
-        level_out, level_lse = _flash(
-            together[None].expand(level_spans, *together.shape), keys, values, 0.0, False,
+        together = _pad_queries(readers[..., :num_queries, :].transpose(0, 1).flatten(1, 2), 1)
+        out, lse = _flash(
+            together[None].expand(num_spans, *together.shape),
+            level_keys[0].unflatten(1, (num_spans, SPAN_TOKENS)).transpose(0, 1),
+            level_values[0].unflatten(1, (num_spans, SPAN_TOKENS)).transpose(0, 1),
+            0.0,
+            False,
             scale=scale,
-        )  # [ns, Hkv, Q, D], [ns, Hkv, Q]
-        level_total = num_readers * num_queries
-        level_lse = level_lse[..., :level_total].unflatten(2, (num_readers, num_queries))
-        level_out = level_out[..., :level_total, :].unflatten(2, (num_readers, num_queries))
-        level_lse = level_lse.permute(2, 0, 1, 3)  # [R, ns, Hkv, M]
-        level_out = level_out.permute(2, 0, 1, 3, 4).float()  # [R, ns, Hkv, M, D]
-        place = slice(first, first + level_spans)
-        if level.row_bias is not None:  # every row reads it; those left out keep their spans
-            left_out = (level.row_bias != 0)[:, None, None, None]
-            span_lse[:, place] = torch.where(left_out, span_lse[:, place], level_lse)
-            span_out[:, place] = torch.where(left_out[..., None], span_out[:, place], level_out)
-            continue
-        rows = slice(None) if level.rows is None else level.rows
-        span_lse[rows, place] = level_lse
-        span_out[rows, place] = level_out
-    return _merge(span_lse, span_out, query)
+        )  # [ns, Hkv, Q', D], [ns, Hkv, Q']
+        total = num_readers * num_queries
+        lse = lse[..., :total].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3)
+        out = out[..., :total, :].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3, 4)
+        rows = torch.arange(num_rows) if level.rows is None else level.rows.cpu()
+        to = (rows[:, None] * layout.num_spans + first + torch.arange(num_spans)).flatten()
+        if level.row_bias is not None:
+            raise ValueError("the span order reads levels by the rows that read them")
+        put(to.to(m.device), lse.flatten(0, 1), out.flatten(0, 1))
+
+    # the spans holding the queries, block by block, merged into each span
+    out, lse = _flash(
+        _queries_of(padded, plan.block_rows),
+        _runs(own_keys, plan.block_keys, BLOCK_TOKENS),
+        _runs(own_values, plan.block_keys, BLOCK_TOKENS),
+        0.0,
+        False,
+        attn_mask=plan.mask,
+        scale=scale,
+    )  # [E, Hkv, Q, D], [E, Hkv, Q]
+    lse = lse.masked_fill(plan.hidden, -torch.inf)[..., :num_queries]
+    num_windows = plan.window_rows.shape[0]
+    block_m = lse.new_full((num_windows * SPAN_BLOCKS, num_kv_heads, num_queries), -torch.inf)
+    block_o = lse.new_zeros((num_windows * SPAN_BLOCKS, num_kv_heads, num_queries, head_dim))
+    block_m.index_copy_(0, plan.block_window, lse)
+    block_o.index_copy_(0, plan.block_window, out[..., :num_queries, :].float())
+    block_m = block_m.unflatten(0, (num_windows, SPAN_BLOCKS))
+    block_o = block_o.unflatten(0, (num_windows, SPAN_BLOCKS))
+    top = block_m.amax(1)  # [N, Hkv, M]
+    weights = exp_of_difference(block_m, torch.where(top == -torch.inf, 0.0, top)[:, None])
+    window_s = sum_in_halves(weights, 1)
+    window_o = sum_in_halves(block_o * weights[..., None], 1)
+    # a window's span for each query: in blocks if it holds the query, whole if before it, else nothing
+    at = plan.window_rows
+    before = plan.whole_before
+    window_m = torch.where(
+        plan.in_blocks, top, torch.where(before, flat_m.index_select(0, at), -torch.inf)
+    )
+    window_s = torch.where(
+        plan.in_blocks, window_s, torch.where(before, flat_s.index_select(0, at), 0.0)
+    )
+    window_o = torch.where(
+        plan.in_blocks[..., None],
+        window_o,
+        torch.where(before[..., None], flat_o.index_select(0, at), 0.0),
+    )
+    flat_m.index_copy_(0, at, window_m)
+    flat_s.index_copy_(0, at, window_s)
+    flat_o.index_copy_(0, at, window_o)
+    return _merge(m, s, o, query)
 
 
 def _span_buffers(
     like: torch.Tensor, shape: tuple[int, ...], head_dim: int, layout: ExactLayout
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 log-sum-exps ``shape`` and outputs ``(*shape, head_dim)`` of every row's spans:
-    ``-inf`` and zeros where a row has spans no part writes (left unset if every span is written)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 merge entries of every row's spans: scales and sums ``shape``, weighted values
+    ``(*shape, head_dim)``; ``-inf`` and zeros where a row has spans no part writes (left unset
+    when every span is written)."""
     if layout.covered:
-        return like.new_empty(shape), like.new_empty((*shape, head_dim))
-    return like.new_full(shape, -torch.inf), like.new_zeros((*shape, head_dim))
+        m = like.new_empty(shape, dtype=torch.float32)
+        return m, torch.empty_like(m), m.new_empty((*shape, head_dim))
+    m = like.new_full(shape, -torch.inf, dtype=torch.float32)
+    return m, torch.zeros_like(m), m.new_zeros((*shape, head_dim))
 
 
-def _merge(span_lse: torch.Tensor, span_out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """A query's spans merged: ``[B, NS, Hkv, M]`` log-sum-exps and ``[B, NS, Hkv, M, D]``
-    normalized outputs to ``[B, L, Hq, D]`` in ``query``'s dtype."""
-    top = span_lse.amax(1, keepdim=True)
-    top = torch.where(top == -torch.inf, 0.0, top)  # a query that sees no key (padding): zeros
-    weights = exp_of_difference(span_lse, top)  # spans it does not reach: exact zeros
-    total = sum_in_halves(weights, 1)[..., None]
-    out = sum_in_halves(span_out * weights[..., None], 1) / torch.where(total > 0, total, 1.0)
+def _merge(m: torch.Tensor, s: torch.Tensor, o: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Each query's spans merged: ``[B, NS, Hkv, M]`` scales and sums, ``[B, NS, Hkv, M, D]``
+    weighted values, to ``[B, L, Hq, D]`` in ``query``'s dtype."""
+    top = m.amax(1, keepdim=True)
+    weights = exp_of_difference(m, torch.where(top == -torch.inf, 0.0, top))
+    total = sum_in_halves(weights * s, 1)[..., None]
+    out = sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0)
     num_rows, num_q_heads, num_new, head_dim = query.shape
     out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
     return out.to(query.dtype)
