@@ -75,16 +75,19 @@ class SpanPlan:
     """Where one layout's own parts go through the kernel, made on the host once per pass.
 
     The rows' own keys are gathered once, ``[B, W, Hkv, D]`` (keys leading);
-    entries name rows of it. ``whole``: the whole spans before each row's
-    last span holding a query, as ``(row, first key)``; ``blocks``: the blocks
-    of the spans holding its queries, with their ``mask`` ``[E, 1, Q, b]``
-    (``0`` or ``-inf``) and ``hidden`` ``[E, 1, Q]`` (a query seeing none of the
-    block's keys); ``unread``: the merge's rows of own spans past all of a row's
-    queries; ``windows``: those spans, each ``(row, span)`` with where it
-    goes among the merge's rows (``window_rows``), which of its queries read it in
-    blocks (``in_blocks`` ``[N, 1, M]``: the span holds the query) or whole
-    (``whole_before``: the span lies before the query's); ``block_window``: each
-    block's place among ``N * SPAN_BLOCKS``.
+    entries name runs of rows of its ``[B * W, Hkv, D]`` view.
+
+    * ``unread``: the merge's rows (of ``[B * NS]``) of own spans past all of a row's queries.
+    * Whole spans, before each row's last span holding a query: their rows of
+      queries (``whole_rows``), first keys (``whole_keys``), merge rows (``whole_to``).
+    * Blocks of the spans holding a row's queries (its *windows*): their rows of
+      queries, first keys, ``mask`` ``[E, 1, Q, b]`` (``0`` or ``-inf``), ``hidden``
+      ``[E, 1, Q]`` (a query that sees none of the block's keys) and place among
+      ``N * SPAN_BLOCKS`` (``block_window``; ``None`` when every window has one block,
+      its first, in window order).
+    * Windows: their merge rows (``window_rows``), and for each query whether the
+      window holds it (``in_blocks`` ``[N, 1, M]``) or lies before it
+      (``whole_before``); both ``None`` when every window holds every query of its row.
     """
 
     unread: torch.Tensor
@@ -95,77 +98,96 @@ class SpanPlan:
     block_keys: torch.Tensor
     mask: torch.Tensor
     hidden: torch.Tensor
-    block_window: torch.Tensor
+    block_window: torch.Tensor | None
+    first_blocks: bool
+    """Every row has one block, its first own keys, in row order (the blocks are views)."""
     window_rows: torch.Tensor
-    in_blocks: torch.Tensor
-    whole_before: torch.Tensor
+    in_blocks: torch.Tensor | None
+    whole_before: torch.Tensor | None
 
     @classmethod
     def of(cls, layout: ExactLayout, width: int, num_groups: int) -> SpanPlan:
         """The plan of ``layout``'s queries over own keys gathered ``width`` wide."""
         key = ("span plan", width, num_groups)
         made = layout._rows.get(key)
-        if made is not None:
-            return made
-        spans_at = layout.own_span_rows().view(len(layout.rows_at), -1)  # [B, NSo] merge rows
-        unread = []  # merge rows of own spans past the row's queries
-        whole = []  # (row, local span)
-        blocks = []  # (row, first own key, window)
-        windows = []  # (row, local span)
-        block_masks, window_choice = [], []
-        for i, (split, length, first_query, num_queries) in enumerate(layout.rows_at):
-            last_key = max(length - 1, 0)
-            positions = torch.arange(first_query, first_query + num_queries) - split
-            spans = torch.clamp(positions, max=last_key) // SPAN_TOKENS  # each query's span
-            low, high = int(spans.min()), int(spans.max())
-            whole += [(i, j) for j in range(high)]
-            unread += spans_at[i, high + 1 :].tolist()
-            for span in range(low, high + 1):
-                for k in range(SPAN_BLOCKS):
-                    start = span * SPAN_TOKENS + k * BLOCK_TOKENS
-                    if start > min(last_key, int(positions.max())):
-                        break
-                    keys = start + torch.arange(BLOCK_TOKENS)
-                    seen = (keys < length) & (keys <= positions[:, None])  # [L, b]
-                    block_masks.append(seen)
-                    blocks.append((i, start, len(windows)))
-                window_choice.append((spans == span, spans > span))
-                windows.append((i, span))
-        num_queries_padded = padded_queries(num_groups * layout.rows_at[0][3])
-
-        def grouped(per_position: torch.Tensor, fill: bool) -> torch.Tensor:
-            # [L, ...] per position -> [M', ...] per query (grouped heads, then positions), padded
-            out = per_position.repeat(num_groups, *([1] * (per_position.dim() - 1)))
-            pad = num_queries_padded - out.shape[0]
-            return torch.cat([out, out.new_full((pad, *out.shape[1:]), fill)]) if pad else out
-
-        seen = torch.stack([grouped(m, True) for m in block_masks])  # [E, Q, b]
-        mask = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, -torch.inf)
-        num_real = num_groups * layout.rows_at[0][3]
-        made = cls(
-            unread=torch.tensor(unread, dtype=torch.long),
-            whole_rows=torch.tensor([i for i, _ in whole], dtype=torch.long),
-            whole_keys=torch.tensor(
-                [i * width + j * SPAN_TOKENS for i, j in whole], dtype=torch.long
-            ),
-            whole_to=torch.tensor([int(spans_at[i, j]) for i, j in whole], dtype=torch.long),
-            block_rows=torch.tensor([i for i, _, _ in blocks], dtype=torch.long),
-            block_keys=torch.tensor([i * width + start for i, start, _ in blocks]),
-            mask=mask[:, None],
-            hidden=(~seen.any(-1))[:, None],
-            block_window=torch.tensor(
-                [w * SPAN_BLOCKS + (start % SPAN_TOKENS) // BLOCK_TOKENS for _, start, w in blocks]
-            ),
-            window_rows=torch.tensor([int(spans_at[i, j]) for i, j in windows]),
-            in_blocks=torch.stack([grouped(a, False)[:num_real] for a, _ in window_choice])[
-                :, None
-            ],
-            whole_before=torch.stack([grouped(b, False)[:num_real] for _, b in window_choice])[
-                :, None
-            ],
-        )
-        layout._rows[key] = made
+        if made is None:
+            made = layout._rows[key] = cls._make(layout, width, num_groups)
         return made
+
+    @classmethod
+    def _make(cls, layout: ExactLayout, width: int, num_groups: int) -> SpanPlan:
+        spans_at = layout.own_span_rows().view(len(layout.rows_at), -1).tolist()
+        num_positions = layout.rows_at[0][3]
+        unread, whole, whole_to = [], [], []
+        block_rows, block_starts, block_window, windows = [], [], [], []
+        first_positions, window_lows = [], []
+        for i, (split, length, first_query, num_queries) in enumerate(layout.rows_at):
+            last_key = length - 1
+            first_position = first_query - split  # of the row's first query among its own keys
+            low = min(first_position, last_key) // SPAN_TOKENS
+            last_position = min(first_position + num_queries - 1, last_key)
+            high = last_position // SPAN_TOKENS
+            unread += spans_at[i][high + 1 :]
+            whole += [i * width + j * SPAN_TOKENS for j in range(high)]
+            whole_to += spans_at[i][:high]
+            window_lows.append(low)
+            first_positions.append(first_position)
+            for span in range(low, high + 1):
+                for start in range(span * SPAN_TOKENS, last_position + 1, BLOCK_TOKENS):
+                    if start >= (span + 1) * SPAN_TOKENS:
+                        break
+                    block_rows.append(i)
+                    block_starts.append(start)
+                    block_window.append(len(windows) * SPAN_BLOCKS + start // BLOCK_TOKENS % SPAN_BLOCKS)
+                windows.append((i, span))
+        rows = torch.tensor(block_rows)
+        starts = torch.tensor(block_starts)
+        lengths = torch.tensor([length for _, length, _, _ in layout.rows_at])
+        positions = torch.tensor(first_positions)[:, None] + torch.arange(num_positions)  # [B, L]
+        keys = starts[:, None, None] + torch.arange(BLOCK_TOKENS)  # [E, 1, b]
+        seen = (keys < lengths[rows, None, None]) & (keys <= positions[rows, :, None])  # [E, L, b]
+        seen = _grouped(seen, num_groups, fill=True)  # [E, Q, b]
+        mask = torch.zeros(seen.shape).masked_fill_(~seen, -torch.inf)[:, None]
+        one_block = len(block_rows) == len(windows) and all(
+            start % SPAN_TOKENS == 0 for start in block_starts
+        )
+        window_of = torch.tensor([i for i, _ in windows])
+        spans = torch.minimum(positions, lengths[:, None] - 1) // SPAN_TOKENS  # each query's
+        window_spans = torch.tensor([span for _, span in windows])[:, None]
+        in_blocks = spans[window_of] == window_spans  # [N, L]
+        selects = not bool(in_blocks.all())
+        num_real = num_groups * num_positions
+        return cls(
+            unread=torch.tensor(unread, dtype=torch.long),
+            whole_rows=torch.tensor([key // width for key in whole], dtype=torch.long),
+            whole_keys=torch.tensor(whole, dtype=torch.long),
+            whole_to=torch.tensor(whole_to, dtype=torch.long),
+            block_rows=rows,
+            block_keys=rows * width + starts,
+            mask=mask,
+            hidden=(~seen.any(-1))[:, None],
+            block_window=None if one_block else torch.tensor(block_window),
+            first_blocks=block_rows == list(range(len(layout.rows_at)))
+            and not any(block_starts),
+            window_rows=torch.tensor([spans_at[i][span] for i, span in windows]),
+            in_blocks=_grouped(in_blocks, num_groups, False)[:, None, :num_real] if selects else None,
+            whole_before=_grouped(spans[window_of] > window_spans, num_groups, False)[
+                :, None, :num_real
+            ]
+            if selects
+            else None,
+        )
+
+
+def _grouped(per_position: torch.Tensor, num_groups: int, fill: bool) -> torch.Tensor:
+    """``[E, L, ...]`` per position to ``[E, Q, ...]`` per query (grouped heads, then positions),
+    padded to :func:`padded_queries` with ``fill``."""
+    num_entries, num_positions = per_position.shape[:2]
+    out = per_position.repeat(1, num_groups, *([1] * (per_position.dim() - 2)))
+    pad = padded_queries(num_groups * num_positions) - out.shape[1]
+    if not pad:
+        return out
+    return torch.cat([out, out.new_full((num_entries, pad, *out.shape[2:]), fill)], dim=1)
 
 
 def _gather_own(key: torch.Tensor, value: torch.Tensor, layout: ExactLayout):
@@ -281,48 +303,66 @@ def span_exact_attention(
         total = num_readers * num_queries
         lse = lse[..., :total].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3)
         out = out[..., :total, :].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3, 4)
-        rows = torch.arange(num_rows) if level.rows is None else level.rows.cpu()
-        to = (rows[:, None] * layout.num_spans + first + torch.arange(num_spans)).flatten()
         if level.row_bias is not None:
             raise ValueError("the span order reads levels by the rows that read them")
-        put(to.to(m.device), lse.flatten(0, 1), out.flatten(0, 1))
+        place = slice(first, first + num_spans)
+        rows = slice(None) if level.rows is None else level.rows
+        m[rows, place] = lse
+        s[rows, place] = 1.0
+        o[rows, place] = out
 
     # the spans holding the queries, block by block, merged into each span
+    if plan.first_blocks:
+        block_queries = padded
+        block_keys = own_keys[:, :BLOCK_TOKENS].transpose(1, 2)
+        block_values = own_values[:, :BLOCK_TOKENS].transpose(1, 2)
+    else:
+        block_queries = _queries_of(padded, plan.block_rows)
+        block_keys = _runs(own_keys, plan.block_keys, BLOCK_TOKENS)
+        block_values = _runs(own_values, plan.block_keys, BLOCK_TOKENS)
     out, lse = _flash(
-        _queries_of(padded, plan.block_rows),
-        _runs(own_keys, plan.block_keys, BLOCK_TOKENS),
-        _runs(own_values, plan.block_keys, BLOCK_TOKENS),
+        block_queries,
+        block_keys,
+        block_values,
         0.0,
         False,
         attn_mask=plan.mask,
         scale=scale,
     )  # [E, Hkv, Q, D], [E, Hkv, Q]
     lse = lse.masked_fill(plan.hidden, -torch.inf)[..., :num_queries]
-    num_windows = plan.window_rows.shape[0]
-    block_m = lse.new_full((num_windows * SPAN_BLOCKS, num_kv_heads, num_queries), -torch.inf)
-    block_o = lse.new_zeros((num_windows * SPAN_BLOCKS, num_kv_heads, num_queries, head_dim))
-    block_m.index_copy_(0, plan.block_window, lse)
-    block_o.index_copy_(0, plan.block_window, out[..., :num_queries, :].float())
-    block_m = block_m.unflatten(0, (num_windows, SPAN_BLOCKS))
-    block_o = block_o.unflatten(0, (num_windows, SPAN_BLOCKS))
-    top = block_m.amax(1)  # [N, Hkv, M]
-    weights = exp_of_difference(block_m, torch.where(top == -torch.inf, 0.0, top)[:, None])
-    window_s = sum_in_halves(weights, 1)
-    window_o = sum_in_halves(block_o * weights[..., None], 1)
-    # a window's span for each query: in blocks if it holds the query, whole if before it, else nothing
+    out = out[..., :num_queries, :]
+    if plan.block_window is None:  # one block per window: the window is that block
+        window_m, window_s, window_o = lse, torch.ones_like(lse), out.float()
+    else:
+        num_windows = plan.window_rows.shape[0]
+        shape = (num_windows * SPAN_BLOCKS, num_kv_heads, num_queries)
+        block_m = lse.new_full(shape, -torch.inf).index_copy_(0, plan.block_window, lse)
+        block_o = lse.new_zeros((*shape, head_dim)).index_copy_(0, plan.block_window, out.float())
+        block_m = block_m.unflatten(0, (num_windows, SPAN_BLOCKS))
+        block_o = block_o.unflatten(0, (num_windows, SPAN_BLOCKS))
+        window_m = block_m.amax(1)  # [N, Hkv, M]
+        top = torch.where(window_m == -torch.inf, 0.0, window_m)[:, None]
+        weights = exp_of_difference(block_m, top)
+        window_s = sum_in_halves(weights, 1)
+        window_o = sum_in_halves(block_o * weights[..., None], 1)
+    if layout.num_spans == 1:  # one window per row, every query in it: the merge is o / s
+        if plan.block_window is None:
+            return _as_output(out, query)
+        return _as_output(window_o / torch.where(window_s > 0, window_s, 1.0)[..., None], query)
     at = plan.window_rows
-    before = plan.whole_before
-    window_m = torch.where(
-        plan.in_blocks, top, torch.where(before, flat_m.index_select(0, at), -torch.inf)
-    )
-    window_s = torch.where(
-        plan.in_blocks, window_s, torch.where(before, flat_s.index_select(0, at), 0.0)
-    )
-    window_o = torch.where(
-        plan.in_blocks[..., None],
-        window_o,
-        torch.where(before[..., None], flat_o.index_select(0, at), 0.0),
-    )
+    if plan.in_blocks is not None:  # a window's span for each query: in blocks if it holds
+        held, before = plan.in_blocks, plan.whole_before  # the query, whole if before it
+        window_m = torch.where(
+            held, window_m, torch.where(before, flat_m.index_select(0, at), -torch.inf)
+        )
+        window_s = torch.where(
+            held, window_s, torch.where(before, flat_s.index_select(0, at), 0.0)
+        )
+        window_o = torch.where(
+            held[..., None],
+            window_o,
+            torch.where(before[..., None], flat_o.index_select(0, at), 0.0),
+        )
     flat_m.index_copy_(0, at, window_m)
     flat_s.index_copy_(0, at, window_s)
     flat_o.index_copy_(0, at, window_o)
@@ -348,7 +388,11 @@ def _merge(m: torch.Tensor, s: torch.Tensor, o: torch.Tensor, query: torch.Tenso
     top = m.amax(1, keepdim=True)
     weights = exp_of_difference(m, torch.where(top == -torch.inf, 0.0, top))
     total = sum_in_halves(weights * s, 1)[..., None]
-    out = sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0)
+    return _as_output(sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0), query)
+
+
+def _as_output(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, M, D]`` per grouped query to ``[B, L, Hq, D]`` in ``query``'s dtype."""
     num_rows, num_q_heads, num_new, head_dim = query.shape
-    out = out.view(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
+    out = out.reshape(num_rows, num_q_heads, num_new, head_dim).transpose(1, 2)
     return out.to(query.dtype)
