@@ -106,12 +106,13 @@ class PassCounter:
     """Counts the passes that read levels, the in-place steps, and the passes run (spying on ExactLayout.of)."""
 
     def __init__(self, monkeypatch):
-        self.with_levels = self.in_place = self.passes = self.own_only = 0
+        self.with_levels = self.in_place = self.passes = self.own_only = self.read_by_some = 0
         real = exact.ExactLayout.of.__func__
 
         def of(cls, plan, levels, num_groups, device):
             self.passes += 1
             self.with_levels += bool(levels)
+            self.read_by_some += any(level.rows is not None for level in levels)
             self.in_place += plan.extends is not None
             layout = real(cls, plan, levels, num_groups, device)
             self.own_only += layout.own_only or any(part.own_only for *_, part in layout.chunks)
@@ -313,10 +314,24 @@ STEPS_BEHIND_A_LEVEL = (
 )
 """A history every run checks: particles stepping behind a prompt read as a level."""
 
+_SECOND = [random.Random(10).randrange(VOCAB) for _ in range(280)]
+_SHORT = [random.Random(11).randrange(VOCAB) for _ in range(200)]
+SOME_READ_A_LEVEL = (
+    [
+        [_PROMPT, _SECOND, _SHORT],
+        # each prompt read as a level by two rows of a pass; a row's 150 new positions
+        # after 200 cached ones cross a span boundary within one run of positions
+        [[*_PROMPT, 3], [*_PROMPT, 4], [*_SECOND, 5], [*_SECOND, 6], _SHORT + _PROMPT[:150]],
+    ],
+    1 << 30,
+)
+"""A history every run checks: a level read by some rows only, queries of a run in two spans."""
+
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(history=histories())
 @example(history=STEPS_BEHIND_A_LEVEL)
+@example(history=SOME_READ_A_LEVEL)
 def test_any_history_gives_the_rows_computed_alone(tiny, history):
     check_history(tiny, history)
 
@@ -327,11 +342,29 @@ def test_the_explicit_history_reads_a_level(tiny, monkeypatch):
     assert passes.with_levels >= 2, "both batches read the prompt as a level"
 
 
+def test_the_explicit_history_reads_a_level_by_some_rows_and_a_run_in_two_spans(
+    tiny, monkeypatch
+):
+    passes = PassCounter(monkeypatch)
+    plans = []
+    real = exact_spans.SpanPlan._make.__func__
+
+    def make(cls, *args):
+        plans.append(real(cls, *args))
+        return plans[-1]
+
+    monkeypatch.setattr(exact_spans.SpanPlan, "_make", classmethod(make))
+    check_history(tiny, SOME_READ_A_LEVEL)
+    assert passes.read_by_some, "a level was read by some rows only"
+    assert any(plan.in_blocks is not None for plan in plans), "a run's queries were in two spans"
+
+
 @settings(
     max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(history=histories())
 @example(history=STEPS_BEHIND_A_LEVEL)
+@example(history=SOME_READ_A_LEVEL)
 def test_any_history_gives_the_rows_computed_alone_in_bfloat16(tiny_bf16, history):
     check_history(tiny_bf16, history)
 

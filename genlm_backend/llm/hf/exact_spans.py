@@ -241,7 +241,9 @@ def span_exact_attention(
     :func:`~genlm_backend.llm.hf.exact.exact_attention`'s; ``own``: the rows' own keys and
     values gathered by the pass's layout, ``[B, W, Hkv, D]``, which its runs of positions read)."""
     if not layout.rows_at:
-        raise ValueError("the span order plans a pass on the host; a captured step's layout has no plan")
+        raise ValueError(
+            "the span order plans a pass on the host; a captured step's layout has no plan"
+        )
     if layout.chunks:
         own = _gather_own(key, value, layout)
         return torch.cat(
@@ -309,7 +311,7 @@ def span_exact_attention(
         rows = slice(None) if level.rows is None else level.rows
         m[rows, place] = lse
         s[rows, place] = 1.0
-        o[rows, place] = out
+        o[rows, place] = out.float()
 
     # the spans holding the queries, block by block, merged into each span
     if plan.first_blocks:
