@@ -342,9 +342,7 @@ def test_the_explicit_history_reads_a_level(tiny, monkeypatch):
     assert passes.with_levels >= 2, "both batches read the prompt as a level"
 
 
-def test_the_explicit_history_reads_a_level_by_some_rows_and_a_run_in_two_spans(
-    tiny, monkeypatch
-):
+def test_the_explicit_history_reads_a_level_by_some_rows_and_a_run_in_two_spans(tiny, monkeypatch):
     passes = PassCounter(monkeypatch)
     plans = []
     real = exact_spans.SpanPlan._make.__func__

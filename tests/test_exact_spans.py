@@ -61,9 +61,12 @@ def test_a_mask_of_zeros_gives_the_bits_of_no_mask_and_hidden_keys_weigh_nothing
     changed = values.clone()
     changed[:, :, 200:] = 1e4  # a hidden key's value does not reach the output
     assert torch.equal(attend(queries, keys, changed, hidden)[0], masked_out)
-    reference = torch.softmax(
-        (queries.double() @ keys[:, :, :200].double().transpose(-1, -2)) * HEAD**-0.5, -1
-    ) @ values[:, :, :200].double()
+    reference = (
+        torch.softmax(
+            (queries.double() @ keys[:, :, :200].double().transpose(-1, -2)) * HEAD**-0.5, -1
+        )
+        @ values[:, :, :200].double()
+    )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(masked_out.double(), reference, atol=tolerance)
     assert masked_lse.isfinite().all()

@@ -119,8 +119,11 @@ class SpanPlan:
         spans_at = layout.own_span_rows().view(len(layout.rows_at), -1).tolist()
         num_positions = layout.rows_at[0][3]
         unread, whole, whole_to = [], [], []
-        block_rows, block_starts, block_window, windows = [], [], [], []
-        first_positions, window_lows = [], []
+        block_rows: list[int] = []
+        block_starts: list[int] = []
+        block_window: list[int] = []
+        windows: list[tuple[int, int]] = []
+        first_positions = []
         for i, (split, length, first_query, num_queries) in enumerate(layout.rows_at):
             last_key = length - 1
             first_position = first_query - split  # of the row's first query among its own keys
@@ -130,7 +133,6 @@ class SpanPlan:
             unread += spans_at[i][high + 1 :]
             whole += [i * width + j * SPAN_TOKENS for j in range(high)]
             whole_to += spans_at[i][:high]
-            window_lows.append(low)
             first_positions.append(first_position)
             for span in range(low, high + 1):
                 for start in range(span * SPAN_TOKENS, last_position + 1, BLOCK_TOKENS):
@@ -138,7 +140,9 @@ class SpanPlan:
                         break
                     block_rows.append(i)
                     block_starts.append(start)
-                    block_window.append(len(windows) * SPAN_BLOCKS + start // BLOCK_TOKENS % SPAN_BLOCKS)
+                    block_window.append(
+                        len(windows) * SPAN_BLOCKS + start // BLOCK_TOKENS % SPAN_BLOCKS
+                    )
                 windows.append((i, span))
         rows = torch.tensor(block_rows)
         starts = torch.tensor(block_starts)
@@ -167,10 +171,11 @@ class SpanPlan:
             mask=mask,
             hidden=(~seen.any(-1))[:, None],
             block_window=None if one_block else torch.tensor(block_window),
-            first_blocks=block_rows == list(range(len(layout.rows_at)))
-            and not any(block_starts),
+            first_blocks=block_rows == list(range(len(layout.rows_at))) and not any(block_starts),
             window_rows=torch.tensor([spans_at[i][span] for i, span in windows]),
-            in_blocks=_grouped(in_blocks, num_groups, False)[:, None, :num_real] if selects else None,
+            in_blocks=_grouped(in_blocks, num_groups, False)[:, None, :num_real]
+            if selects
+            else None,
             whole_before=_grouped(spans[window_of] > window_spans, num_groups, False)[
                 :, None, :num_real
             ]
@@ -195,11 +200,12 @@ def _gather_own(key: torch.Tensor, value: torch.Tensor, layout: ExactLayout):
     row is a run of rows of its ``[B * W, Hkv, D]`` view)."""
     num_rows, num_kv_heads, num_slots, head_dim = key.shape
     index = layout.own_index  # [B, W]
-    rows = layout._rows.get("keys leading")
+    cached = ("keys leading", num_kv_heads, num_slots)
+    rows = layout._rows.get(cached)
     if rows is None:
         heads = torch.arange(num_kv_heads, device=index.device)
         first = torch.arange(num_rows, device=index.device)[:, None, None] * num_kv_heads
-        rows = layout._rows["keys leading"] = ((first + heads) * num_slots + index[:, :, None]).flatten()
+        rows = layout._rows[cached] = ((first + heads) * num_slots + index[:, :, None]).flatten()
     shape = (num_rows, index.shape[1], num_kv_heads, head_dim)
     return (
         key.reshape(-1, head_dim).index_select(0, rows).view(shape),
@@ -212,8 +218,10 @@ def _runs(keys: torch.Tensor, firsts: torch.Tensor, length: int) -> torch.Tensor
     ``[B * W, ...]`` view), as ``[E, Hkv, length, D]``: a view when they tile one row in order."""
     num_rows, width, num_kv_heads, head_dim = keys.shape
     count = firsts.shape[0]
-    if num_rows == 1 and count * length <= width and torch.equal(
-        firsts, torch.arange(count) * length
+    if (
+        num_rows == 1
+        and count * length <= width
+        and torch.equal(firsts, torch.arange(count) * length)
     ):
         return keys[0, : count * length].view(count, length, num_kv_heads, head_dim).transpose(1, 2)
     rows = (firsts[:, None] + torch.arange(length)).flatten()
@@ -352,14 +360,13 @@ def span_exact_attention(
             return _as_output(out, query)
         return _as_output(window_o / torch.where(window_s > 0, window_s, 1.0)[..., None], query)
     at = plan.window_rows
-    if plan.in_blocks is not None:  # a window's span for each query: in blocks if it holds
-        held, before = plan.in_blocks, plan.whole_before  # the query, whole if before it
+    if plan.in_blocks is not None and plan.whole_before is not None:
+        # a window's span for each query: in blocks if it holds the query, whole if before it
+        held, before = plan.in_blocks, plan.whole_before
         window_m = torch.where(
             held, window_m, torch.where(before, flat_m.index_select(0, at), -torch.inf)
         )
-        window_s = torch.where(
-            held, window_s, torch.where(before, flat_s.index_select(0, at), 0.0)
-        )
+        window_s = torch.where(held, window_s, torch.where(before, flat_s.index_select(0, at), 0.0))
         window_o = torch.where(
             held[..., None],
             window_o,
@@ -390,7 +397,9 @@ def _merge(m: torch.Tensor, s: torch.Tensor, o: torch.Tensor, query: torch.Tenso
     top = m.amax(1, keepdim=True)
     weights = exp_of_difference(m, torch.where(top == -torch.inf, 0.0, top))
     total = sum_in_halves(weights * s, 1)[..., None]
-    return _as_output(sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0), query)
+    return _as_output(
+        sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0), query
+    )
 
 
 def _as_output(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
