@@ -38,9 +38,13 @@ embeddings, activations, the log-softmax; except, on CUDA, a norm's mean,
 whose reduction splits a row among more threads when a pass has few rows
 (computed one row per program there: ``exact_fused.RowMeans``).
 
-On CUDA, where Triton is installed, the runner computes exact attention with
-:mod:`~genlm_backend.llm.hf.exact_fused`'s kernels instead (another fixed
-order, over the same :class:`ExactLayout`): :func:`uses_fused_kernels`.
+Each device computes exact attention in one fixed order over the same
+:class:`ExactLayout`, chosen by the runner's attention function
+(``compat._exact_attention``): on the CPU span by span through torch's fused
+CPU attention kernel (:mod:`~genlm_backend.llm.hf.exact_spans`); on CUDA,
+where Triton is installed, in :mod:`~genlm_backend.llm.hf.exact_fused`'s
+kernels (:func:`uses_fused_kernels`); elsewhere, and on CUDA for head sizes
+that are not powers of two, in :func:`exact_attention`'s torch operations.
 """
 
 from __future__ import annotations
