@@ -176,20 +176,26 @@ def exp_of_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sum_in_halves(x: torch.Tensor, dim: int) -> torch.Tensor:
+def sum_in_halves(x: torch.Tensor, dim: int, in_place: bool = False) -> torch.Tensor:
     """The sum over ``dim`` in a fixed tree: as if padded with zeros to a power of two, halves
     added until one is left.
 
     Zeros past a query's blocks only add exact zeros to its sums, so the
     result for a query does not depend on how many blocks the pass has
     (torch's own reductions group the terms by the dimension's length).
+    With ``in_place``, the halves are added into ``x`` itself (the same sums;
+    ``x`` is left holding partial sums).
     """
     dim = dim % x.dim()
     size = x.shape[dim]
     half = 1 << max(0, size - 1).bit_length()
     while half > 1:
         half //= 2
-        if size > half:  # element i gets element i + half (a padding zero beyond size)
+        if size > half and in_place:
+            paired = size - half
+            x.narrow(dim, 0, paired).add_(x.narrow(dim, half, paired))
+            x, size = x.narrow(dim, 0, half), half
+        elif size > half:  # element i gets element i + half (a padding zero beyond size)
             shape = list(x.shape)
             shape[dim] = half
             summed = x.new_empty(shape)

@@ -270,24 +270,20 @@ def span_exact_attention(
     own_keys, own_values = _gather_own(key, value, layout) if own is None else own
     plan = SpanPlan.of(layout, own_keys.shape[1], num_groups)
 
-    # merge entries per row and span: m (log-scale), s (sum of weights at m), o (weighted values)
-    m, s, o = _span_buffers(
+    # merge entries per row and span: m (log-scale), s (sum of weights at m), and the
+    # weighted values, written once every m is known (each query's weights need its top)
+    m, s, weighted = _span_buffers(
         query, (num_rows, layout.num_spans, num_kv_heads, num_queries), head_dim, layout
     )
     flat_m, flat_s = m.view(-1, num_kv_heads, num_queries), s.view(-1, num_kv_heads, num_queries)
-    flat_o = o.view(-1, num_kv_heads, num_queries, head_dim)
-
-    def put(to: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-        flat_m.index_copy_(0, to, lse[..., :num_queries])
-        flat_s.index_fill_(0, to, 1.0)
-        flat_o.index_copy_(0, to, out[..., :num_queries, :].float())
-
+    flat_weighted = weighted.view(-1, num_kv_heads, num_queries, head_dim)
     if plan.unread.numel():  # own spans past every query of the row
         flat_m.index_fill_(0, plan.unread, -torch.inf)
         flat_s.index_fill_(0, plan.unread, 0.0)
-        flat_o.index_fill_(0, plan.unread, 0.0)
+        flat_weighted.index_fill_(0, plan.unread, 0.0)
+    whole_out = None
     if plan.whole_rows.numel():  # whole own spans, unmasked
-        out, lse = _flash(
+        whole_out, lse = _flash(
             _queries_of(padded, plan.whole_rows),
             _runs(own_keys, plan.whole_keys, SPAN_TOKENS),
             _runs(own_values, plan.whole_keys, SPAN_TOKENS),
@@ -295,7 +291,10 @@ def span_exact_attention(
             False,
             scale=scale,
         )
-        put(plan.whole_to, lse, out)
+        whole_out = whole_out[..., :num_queries, :]
+        flat_m.index_copy_(0, plan.whole_to, lse[..., :num_queries])
+        flat_s.index_fill_(0, plan.whole_to, 1.0)
+    level_outs = []
     for level, first in layout.levels:
         level_keys, level_values = level.keys_values(layer)  # [1, Hkv, n, D]
         num_spans = level_keys.shape[2] // SPAN_TOKENS
@@ -316,10 +315,9 @@ def span_exact_attention(
         if level.row_bias is not None:
             raise ValueError("the span order reads levels by the rows that read them")
         place = slice(first, first + num_spans)
-        rows = slice(None) if level.rows is None else level.rows
-        m[rows, place] = lse
-        s[rows, place] = 1.0
-        o[rows, place] = out.float()
+        m[level.rows if level.rows is not None else slice(None), place] = lse
+        s[level.rows if level.rows is not None else slice(None), place] = 1.0
+        level_outs.append((level.rows, place, out))
 
     # the spans holding the queries, block by block, merged into each span
     if plan.first_blocks:
@@ -341,8 +339,9 @@ def span_exact_attention(
     )  # [E, Hkv, Q, D], [E, Hkv, Q]
     lse = lse.masked_fill(plan.hidden, -torch.inf)[..., :num_queries]
     out = out[..., :num_queries, :]
+    window_o: torch.Tensor
     if plan.block_window is None:  # one block per window: the window is that block
-        window_m, window_s, window_o = lse, torch.ones_like(lse), out.float()
+        window_m, window_s, window_o = lse, torch.ones_like(lse), out
     else:
         num_windows = plan.window_rows.shape[0]
         shape = (num_windows * SPAN_BLOCKS, num_kv_heads, num_queries)
@@ -354,28 +353,45 @@ def span_exact_attention(
         top = torch.where(window_m == -torch.inf, 0.0, window_m)[:, None]
         weights = exp_of_difference(block_m, top)
         window_s = sum_in_halves(weights, 1)
-        window_o = sum_in_halves(block_o * weights[..., None], 1)
+        window_o = sum_in_halves(block_o * weights[..., None], 1, in_place=True)
     if layout.num_spans == 1:  # one window per row, every query in it: the merge is o / s
         if plan.block_window is None:
             return _as_output(out, query)
         return _as_output(window_o / torch.where(window_s > 0, window_s, 1.0)[..., None], query)
     at = plan.window_rows
-    if plan.in_blocks is not None and plan.whole_before is not None:
+    held, before = plan.in_blocks, plan.whole_before
+    if held is not None and before is not None:
         # a window's span for each query: in blocks if it holds the query, whole if before it
-        held, before = plan.in_blocks, plan.whole_before
         window_m = torch.where(
             held, window_m, torch.where(before, flat_m.index_select(0, at), -torch.inf)
         )
         window_s = torch.where(held, window_s, torch.where(before, flat_s.index_select(0, at), 0.0))
-        window_o = torch.where(
-            held[..., None],
-            window_o,
-            torch.where(before[..., None], flat_o.index_select(0, at), 0.0),
-        )
     flat_m.index_copy_(0, at, window_m)
     flat_s.index_copy_(0, at, window_s)
-    flat_o.index_copy_(0, at, window_o)
-    return _merge(m, s, o, query)
+
+    # each query's weights exp(m - top), then every entry's values weighted, in place
+    top = m.amax(1, keepdim=True)
+    weights = exp_of_difference(m, torch.where(top == -torch.inf, 0.0, top))
+    total = sum_in_halves(weights * s, 1)[..., None]
+    flat_weights = weights.view(-1, num_kv_heads, num_queries, 1)
+    if whole_out is not None:
+        to = plan.whole_to
+        flat_weighted.index_copy_(0, to, whole_out * flat_weights.index_select(0, to))
+    for rows, place, out in level_outs:
+        if rows is None:
+            torch.mul(out, weights[:, place, ..., None], out=weighted[:, place])
+        else:
+            weighted[rows, place] = out * weights[rows, place][..., None]
+    window_weighted = window_o * flat_weights.index_select(0, at)
+    if held is not None and before is not None:
+        window_weighted = torch.where(
+            held[..., None],
+            window_weighted,
+            torch.where(before[..., None], flat_weighted.index_select(0, at), 0.0),
+        )
+    flat_weighted.index_copy_(0, at, window_weighted)
+    summed = sum_in_halves(weighted, 1, in_place=True)
+    return _as_output(summed / torch.where(total > 0, total, 1.0), query)
 
 
 def _span_buffers(
@@ -389,17 +405,6 @@ def _span_buffers(
         return m, torch.empty_like(m), m.new_empty((*shape, head_dim))
     m = like.new_full(shape, -torch.inf, dtype=torch.float32)
     return m, torch.zeros_like(m), m.new_zeros((*shape, head_dim))
-
-
-def _merge(m: torch.Tensor, s: torch.Tensor, o: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """Each query's spans merged: ``[B, NS, Hkv, M]`` scales and sums, ``[B, NS, Hkv, M, D]``
-    weighted values, to ``[B, L, Hq, D]`` in ``query``'s dtype."""
-    top = m.amax(1, keepdim=True)
-    weights = exp_of_difference(m, torch.where(top == -torch.inf, 0.0, top))
-    total = sum_in_halves(weights * s, 1)[..., None]
-    return _as_output(
-        sum_in_halves(o * weights[..., None], 1) / torch.where(total > 0, total, 1.0), query
-    )
 
 
 def _as_output(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
