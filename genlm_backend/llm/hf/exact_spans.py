@@ -309,9 +309,10 @@ def span_exact_attention(
             False,
             scale=scale,
         )  # [ns, Hkv, Q', D], [ns, Hkv, Q']
-        total = num_readers * num_queries
-        lse = lse[..., :total].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3)
-        out = out[..., :total, :].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3, 4)
+        num_read = num_readers * num_queries
+        lse = lse[..., :num_read].unflatten(2, (num_readers, num_queries)).permute(2, 0, 1, 3)
+        out = out[..., :num_read, :].unflatten(2, (num_readers, num_queries))
+        out = out.permute(2, 0, 1, 3, 4)
         if level.row_bias is not None:
             raise ValueError("the span order reads levels by the rows that read them")
         place = slice(first, first + num_spans)
