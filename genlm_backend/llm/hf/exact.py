@@ -471,6 +471,18 @@ def _span_buffer(like: torch.Tensor, shape: tuple[int, ...], layout: ExactLayout
     return like.new_zeros(shape, dtype=torch.float32)
 
 
+def in_runs(
+    query: torch.Tensor,
+    layout: ExactLayout,
+    compute: Callable[[torch.Tensor, ExactLayout], torch.Tensor],
+) -> torch.Tensor:
+    """A long pass's attention run by run of positions (``layout.chunks``): ``compute`` of each
+    run's queries (``[B, Hq, l, D]``) and layout, concatenated along positions (``[B, L, Hq, D]``)."""
+    return torch.cat(
+        [compute(query[:, :, first:end], part) for first, end, part in layout.chunks], dim=1
+    )
+
+
 def exact_attention(
     layer: int,
     query: torch.Tensor,
@@ -501,12 +513,10 @@ def exact_attention(
     """
     if layout.chunks:
         own = _own_blocks(key, value, layout)
-        return torch.cat(
-            [
-                exact_attention(layer, query[:, :, first:end], key, value, scale, part, own)
-                for first, end, part in layout.chunks
-            ],
-            dim=1,
+        return in_runs(
+            query,
+            layout,
+            lambda run, part: exact_attention(layer, run, key, value, scale, part, own),
         )
     num_rows, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads = key.shape[1]

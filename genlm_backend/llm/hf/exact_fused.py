@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout
+from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout, in_runs
 
 BLOCK_KEYS = BLOCK_TOKENS
 """Keys folded at a time (the positions of the blocks are fixed: ``0, b, 2b, ...``)."""
@@ -71,12 +71,10 @@ def fused_exact_attention(
         ``[B, L, Hq, D]`` in ``query``'s dtype.
     """
     if layout.chunks:
-        return torch.cat(
-            [
-                fused_exact_attention(layer, query[:, :, first:end], key, value, scale, part)
-                for first, end, part in layout.chunks
-            ],
-            dim=1,
+        return in_runs(
+            query,
+            layout,
+            lambda run, part: fused_exact_attention(layer, run, key, value, scale, part),
         )
     num_rows, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads = key.shape[1]

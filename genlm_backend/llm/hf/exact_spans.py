@@ -46,6 +46,7 @@ from genlm_backend.llm.hf.exact import (
     SPAN_TOKENS,
     ExactLayout,
     exp_of_difference,
+    in_runs,
     sum_in_halves,
 )
 
@@ -254,12 +255,10 @@ def span_exact_attention(
         )
     if layout.chunks:
         own = _gather_own(key, value, layout)
-        return torch.cat(
-            [
-                span_exact_attention(layer, query[:, :, first:end], key, value, scale, part, own)
-                for first, end, part in layout.chunks
-            ],
-            dim=1,
+        return in_runs(
+            query,
+            layout,
+            lambda run, part: span_exact_attention(layer, run, key, value, scale, part, own),
         )
     num_rows, num_kv_heads, _, head_dim = key.shape
     num_q_heads, num_new = query.shape[1], query.shape[2]
