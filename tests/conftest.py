@@ -65,6 +65,18 @@ def pytest_collection_finish(session):
         pytest.exit(f"the test assets could not be fetched: {exc}", returncode=3)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How many examples reached each strategy branch of the tests that count them
+    (``tests/strategy_branches.py``; Hypothesis's own statistics leave ``@example`` out)."""
+    from tests.strategy_branches import REACHED
+
+    if REACHED:
+        terminalreporter.section("strategy branches: examples reaching each")
+        for test_id, counts in REACHED.items():
+            reached = ", ".join(f"{branch}: {count}" for branch, count in sorted(counts.items()))
+            terminalreporter.write_line(f"{test_id}: {reached}")
+
+
 @pytest.fixture(scope="session")
 def load_test_tokenizer():
     """``load_test_tokenizer(name)``: a cached real tokenizer (gpt2, qwen3, llama3, gemma3, deepseek_v3)."""
