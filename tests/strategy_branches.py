@@ -43,7 +43,9 @@ class Branches:
         """The running example reached ``branches`` (each must be an expected one)."""
         for branch in branches:
             if branch not in self.expected:
-                raise ValueError(f"branch {branch!r} is not among the expected {sorted(self.expected)}")
+                raise ValueError(
+                    f"branch {branch!r} is not among the expected {sorted(self.expected)}"
+                )
             hypothesis.event(branch)
             self.counts[branch] += 1
 

@@ -155,12 +155,8 @@ BODIES = (
             lambda contexts, names: protocol.encode_logprobs_request(
                 contexts, names[: len(contexts)]
             ),
-            st.lists(
-                st.lists(st.integers(-5, 300), max_size=6), min_size=1, max_size=MAX_ROWS + 2
-            ),
-            st.lists(
-                st.none() | st.text(max_size=4), min_size=MAX_ROWS + 2, max_size=MAX_ROWS + 2
-            ),
+            st.lists(st.lists(st.integers(-5, 300), max_size=6), min_size=1, max_size=MAX_ROWS + 2),
+            st.lists(st.none() | st.text(max_size=4), min_size=MAX_ROWS + 2, max_size=MAX_ROWS + 2),
         ),
     )
 )
