@@ -82,7 +82,8 @@ def save_lora(model_dir, folder, seed: int) -> str:
 def test_two_clients_registering_one_adapter_name_never_get_each_other_s_rows(model_dir, tmp_path):
     """B registers "x" from one folder, A from another: B's next request under "x" is
     refused (never answered with A's weights); each client's rows are its own
-    adapter's, as peft computes them from the folder."""
+    adapter's, as peft computes them from the folder, also for a context the server
+    computed under the other registration (never its cached row)."""
     from transformers import AutoModelForCausalLM
 
     from tests.hf_reference import ATOL, Reference
@@ -108,6 +109,9 @@ def test_two_clients_registering_one_adapter_name_never_get_each_other_s_rows(mo
                 row, reference.row(context + [11], second), atol=ATOL, rtol=0
             )
             b.add_new_lora("first", "x")  # B takes it back
+            # The server computed this context under A's registration: never its cached row.
+            row = b.next_token_logprobs_sync(context + [11], "x")
+            torch.testing.assert_close(row, reference.row(context + [11], first), atol=ATOL, rtol=0)
             row = b.next_token_logprobs_sync(context + [12], "x")
             torch.testing.assert_close(row, reference.row(context + [12], first), atol=ATOL, rtol=0)
             a.remove_lora("x")  # A's registration was replaced by B's: B's stays
