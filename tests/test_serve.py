@@ -111,6 +111,15 @@ async def test_lora_adapters_live_on_the_server(remote, reference):
         await remote.next_token_logprobs(context, lora_name="a")
 
 
+def test_an_adapter_path_outside_the_adapter_dir_is_refused_over_http(remote):
+    """The server was started with ``--adapter-dir /adapters``: a path elsewhere, or one
+    leading out of it, is refused for this request and registers nothing."""
+    for path in ("/etc", "/adapters/../etc", "../etc/passwd", "/adaptersX/a"):
+        with pytest.raises(PermissionError, match="is not in a folder this server loads from"):
+            remote.add_new_lora(path, "outside")
+    assert "outside" not in remote.runner.fetch_info()["adapters"]
+
+
 def test_another_client_s_registration_of_a_name_is_refused_never_answered(remote, reference):
     """B registers "x" from one folder, then A from another: B's requests under "x" fail
     (the server's registration changed), A's get A's adapter, and B registering again
