@@ -7,7 +7,9 @@ the server. EOF on stdin opens the gate for good. A batch holding a context
 that contains token 255 fails (a stand-in for a model error).
 ``--vocab-size`` makes another model (a prefix of the 256 byte tokens).
 ``--batch-s S`` makes every batch take S seconds, a stand-in for a forward pass
-(the server's step gather times batches).
+(the server's step gather times batches). ``--hello-timeout-s S`` gives a local
+channel connection S seconds to name its session (a test that must tell "closed
+at once" from "closed when the hello's time ran out" sets it past its own timeouts).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import time
 
 from genlm_backend.llm.mock import MockAsyncLM, MockRunner
-from genlm_backend.serve import ServeLimits, serve
+from genlm_backend.serve import ServeLimits, channel, serve
 from genlm_backend.serve.server import main_log
 
 BYTE_VOCAB = [bytes([i]) for i in range(256)]
@@ -50,7 +52,9 @@ def main() -> None:
     parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
     parser.add_argument("--vocab-size", type=int, default=len(BYTE_VOCAB))
     parser.add_argument("--batch-s", type=float, default=0.0)
+    parser.add_argument("--hello-timeout-s", type=float, default=channel.HELLO_TIMEOUT_S)
     args = parser.parse_args()
+    channel.HELLO_TIMEOUT_S = args.hello_timeout_s
     lm = MockAsyncLM(byte_vocab=BYTE_VOCAB[: args.vocab_size])
     lm.runner = GatedRunner(lm.vocab_size, lm.device, args.gated, args.batch_s)
     limits = ServeLimits(args.max_rows, args.max_context_length, args.max_body_bytes)
