@@ -124,26 +124,38 @@ def test_two_clients_registering_one_adapter_name_never_get_each_other_s_rows(mo
 def test_deterministic_rows_through_the_server_ignore_another_client_s_traffic(model_dir):
     """``serve --deterministic``: A's rows, computed while B sends batches of its own over
     the same prompt (sharing A's steps and cache), and B's rows too, are the bits of each
-    context computed alone, from an empty cache, in this process."""
+    context computed alone, from an empty cache, in this process; and within float32
+    rounding (``ATOL``) of transformers' plain forward, which takes none of the
+    deterministic path. A steps until the server's counters prove that one of its
+    batches held both clients' requests (at least three steps)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_reference import ATOL, reference
+
     server = ServerProcess.cli(
         "--backend", "hf", "--model", str(model_dir), "--port", "0", "--deterministic"
     )
     alone = AsyncTransformer.from_name(str(model_dir), deterministic=True)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
-    def alone_row(context: list[int]) -> torch.Tensor:
+    def check_row(context: list[int], row: torch.Tensor) -> None:
         alone.clear_cache()
-        return alone.next_token_logprobs_sync(context)
+        assert torch.equal(row, alone.next_token_logprobs_sync(context)), context
+        torch.testing.assert_close(row, reference(plain, context), atol=ATOL, rtol=0)
 
     stop, busy = threading.Event(), threading.Event()
+    first_tokens = range(6)  # A's contexts: the prompt and one of these, then its own tokens
 
     def other_client(prompt: list[int]) -> list:
+        """B's batches: prefixes of the prompt and tokens A's contexts never hold at that
+        place, so no row of B's is one of A's (each asks the model for its own)."""
         rng = random.Random(1)
         batches = []
         with RemoteLM(server.url) as b:
             while not stop.is_set():
                 batch = [
                     prompt[: rng.randint(1, len(prompt))]
-                    + [rng.randrange(50257) for _ in range(rng.randint(0, 4))]
+                    + [rng.randrange(len(first_tokens), 50257) for _ in range(rng.randint(0, 4))]
                     for _ in range(rng.randint(1, 12))
                 ]
                 batches.append((batch, b.batch_next_token_logprobs_sync(batch)))
@@ -155,23 +167,45 @@ def test_deterministic_rows_through_the_server_ignore_another_client_s_traffic(m
             prompt = a.tokenizer.encode("Particles in flight, one model, many clients")
             thread, outcome = in_thread(other_client, prompt)
             assert busy.wait(HANG_S), outcome
-            contexts = [prompt + [token] for token in range(6)]
-            for _ in range(3):
+            contexts = [prompt + [token] for token in first_tokens]
+            for step in range(MAX_STEPS):
 
-                async def step(contexts=contexts):
+                async def step_rows(contexts=contexts):
                     return await asyncio.gather(*map(a.next_token_logprobs, contexts))
 
-                rows = asyncio.run(step())
+                rows = asyncio.run(step_rows())
                 for context, row in zip(contexts, rows):
-                    assert torch.equal(row, alone_row(context)), context
+                    check_row(context, row)
                 contexts = [c + [int(row.argmax())] for c, row in zip(contexts, rows)]
+                if step >= 2 and shared_batches(a) > 0:
+                    break
+            assert shared_batches(a) > 0, (
+                f"no batch held both clients' requests in {step + 1} steps"
+            )
             stop.set()
             thread.join(HANG_S)
             assert "error" not in outcome, outcome
             for batch, rows in outcome["result"][-2:]:
                 for context, row in zip(batch, rows):
-                    assert torch.equal(row, alone_row(context)), context
+                    check_row(context, row)
     finally:
         stop.set()
         alone.close()
         server.stop()
+
+
+MAX_STEPS = 12  # a hang guard: A's first step nearly always goes in a batch with B's
+
+
+def shared_batches(client: RemoteLM) -> int:
+    """A lower bound on the server's batches that held requests of two clients.
+
+    Each client has one request in flight at most (one round trip at a time); a
+    request answered without the model counts at least one output-cache hit; so
+    when fewer batches ran than answered requests needed, some batch held two
+    requests, of two clients.
+    """
+    lm_stats, serve_stats = client.server_stats()
+    assert serve_stats.num_rejected == 0, serve_stats
+    answered = serve_stats.num_requests - serve_stats.num_in_flight
+    return answered - lm_stats.num_output_cache_hits - lm_stats.num_batches
