@@ -73,6 +73,8 @@ def test_a_mask_of_zeros_gives_the_bits_of_no_mask_and_hidden_keys_weigh_nothing
 
 
 def test_the_thread_count_does_not_change_a_query_s_bits(dtype):
+    """One thread against two (set here, whatever the machine's count: the kernel splits
+    its batch entries and heads over them)."""
     gen = torch.Generator().manual_seed(2)
     keys = torch.randn(3, 2, SPAN_TOKENS, HEAD, generator=gen).to(dtype)
     values = torch.randn(3, 2, SPAN_TOKENS, HEAD, generator=gen).to(dtype)
@@ -81,9 +83,12 @@ def test_the_thread_count_does_not_change_a_query_s_bits(dtype):
     try:
         torch.set_num_threads(1)
         single = attend(queries, keys, values)
+        torch.set_num_threads(2)
+        if torch.get_num_threads() != 2:
+            pytest.skip("this torch build runs one thread only (no OpenMP): no counts to compare")
+        several = attend(queries, keys, values)
     finally:
         torch.set_num_threads(threads)
-    several = attend(queries, keys, values)
     assert torch.equal(single[0], several[0]) and torch.equal(single[1], several[1])
 
 
