@@ -141,3 +141,19 @@ def test_the_vllm_step_reruns_test_files_that_exist():
     assert len(named) >= 10
     for name in named:
         assert (ROOT / name).is_file(), name
+
+
+def test_every_file_with_gpu_tests_is_in_the_gpu_session():
+    """No CI step has a GPU: the GPU session's tests part runs ``-m gpu`` over a list of
+    files, which must hold every file with a test marked ``gpu``."""
+    script = (ROOT / "benchmarks" / "gpu" / "session.sh").read_text()
+    command = re.search(r"\ntests\(\) \{\n(.*?)\n\}", script, re.S)
+    assert command is not None and "-m gpu" in command.group(1)
+    listed = set(re.findall(r"tests/[\w/]+\.py", command.group(1)))
+    marked = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"^\s*@?pytest\.mark\.gpu\b", path.read_text(encoding="utf-8"), re.M)
+    }
+    assert len(marked) >= 7
+    assert marked <= listed, f"not in benchmarks/gpu/session.sh: {sorted(marked - listed)}"

@@ -41,11 +41,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # Preflight: the library and the model classes import before anything long runs.
 python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
-# Captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
+# Every test marked gpu (each file holding one is listed; tests/test_ci_readme.py checks it):
+# captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
 tests() {
     part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
         tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py \
-        tests/test_deterministic.py tests/test_exact_fused.py
+        tests/test_deterministic.py tests/test_exact_fused.py tests/test_trie.py
 }
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
