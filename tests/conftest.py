@@ -13,6 +13,7 @@ import torch
 from hypothesis import settings
 
 from genlm_backend import assets
+from tests import skip_check
 
 # Hypothesis: random examples on a developer's machine (new inputs each run, failures
 # kept in the local example database); in CI the same examples on every run, derived
@@ -65,11 +66,40 @@ def pytest_collection_finish(session):
         pytest.exit(f"the test assets could not be fetched: {exc}", returncode=3)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How many examples reached each strategy branch of the tests that count them
-    (``tests/strategy_branches.py``; Hypothesis's own statistics leave ``@example`` out)."""
+SKIPS: dict[str, str] = {}
+"""Reason -> the first test or module skipped for it, this run."""
+UNLISTED_SKIPS = pytest.StashKey[list[str]]()
+
+
+def pytest_runtest_logreport(report):
+    reason = skip_check.skip_reason(report)
+    if reason is not None:
+        SKIPS.setdefault(reason, report.nodeid)
+
+
+def pytest_collectreport(report):
+    pytest_runtest_logreport(report)
+
+
+def pytest_sessionfinish(session):
+    """A run with a skip whose reason ``tests/expected_skips.txt`` does not list fails."""
+    unlisted = skip_check.unlisted(SKIPS, skip_check.expected_patterns())
+    session.config.stash[UNLISTED_SKIPS] = unlisted
+    if unlisted and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Skips whose reason is not listed; how many examples reached each strategy branch of
+    the tests that count them (``tests/strategy_branches.py``; Hypothesis's own statistics
+    leave ``@example`` out)."""
     from tests.strategy_branches import REACHED
 
+    unlisted = config.stash.get(UNLISTED_SKIPS, [])
+    if unlisted:
+        terminalreporter.section("skips not listed in tests/expected_skips.txt (the run fails)")
+        for reason in unlisted:
+            terminalreporter.write_line(f"{SKIPS[reason]}: {reason}", red=True)
     if REACHED:
         terminalreporter.section("strategy branches: examples reaching each")
         for test_id, counts in REACHED.items():

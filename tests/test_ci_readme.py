@@ -157,3 +157,16 @@ def test_every_file_with_gpu_tests_is_in_the_gpu_session():
     }
     assert len(marked) >= 7
     assert marked <= listed, f"not in benchmarks/gpu/session.sh: {sorted(marked - listed)}"
+
+
+def test_skip_reasons_are_matched_whole_against_the_listed_patterns():
+    from tests.skip_check import expected_patterns, unlisted
+
+    patterns = expected_patterns(
+        "# a comment\n\nneeds a CUDA device\n\\d+ workers need \\d+ GPUs\n"
+    )
+    assert len(patterns) == 2
+    reasons = ["needs a CUDA device", "2 workers need 2 GPUs", "needs a CUDA device!", "new"]
+    assert unlisted(reasons + reasons, patterns) == ["needs a CUDA device!", "new"]
+    listed = expected_patterns()  # the repository's list parses
+    assert not unlisted(["needs a CUDA device", "this vLLM has no Model Runner V2"], listed)
