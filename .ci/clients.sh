@@ -9,7 +9,8 @@
 # the documented departures from upstream (.ci/clients/known_departures.txt).
 # Every other test must pass. Then genlm-control runs through `genlm-backend serve`
 # processes: tests/test_serve_control.py, and genlm-control's test_llm.py and
-# test_canonical.py with their models served (.ci/clients/through_server.py).
+# test_canonical.py with their models served (.ci/clients/through_server.py); and the
+# genlm-control notebook runs (tests/test_notebooks.py: the README's venv has no genlm-control).
 #
 # CLIENTS_BACKEND=upstream runs the same suites on upstream genlm-backend 0.3.1
 # (no alias, no known departures): the baseline that the departures are measured against.
@@ -90,8 +91,11 @@ done
 # 6. genlm-control through `genlm-backend serve` processes: AWRS SMC samples what it
 #    samples in-process (tests/test_serve_control.py), and a selection of genlm-control's
 #    own suite runs with every transformers model it loads served (.ci/clients/through_server.py).
+#    The genlm-control notebook runs here too (regex-constrained SMC on the default model).
 if [ "$backend" = "ours" ] && [[ " $suites " == *" control "* ]]; then
-    (cd "$repo" && "$python" -m pytest -q -p no:cacheprovider tests/test_serve_control.py) || status=1
+    (cd "$repo" && "$python" -m pytest -q -p no:cacheprovider tests/test_serve_control.py \
+        tests/test_notebooks.py::test_genlm_control_regex_notebook_samples_matching_emails) ||
+        status=1
     (cd "$work/src/ours/genlm_control-0.4.1" &&
         PYTHONPATH="$repo/.ci/clients" "$python" -m pytest -q -p no:cacheprovider \
             -p genlm_backend.alias -p through_server --timeout="$CLIENTS_TEST_TIMEOUT_S" \
