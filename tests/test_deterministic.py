@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm import AsyncTransformer, MockAsyncLM
 from genlm_backend.llm import engine as engine_module
-from genlm_backend.llm.engine import BatchingConfig
+from genlm_backend.batching import BatchingConfig
 from genlm_backend.llm.hf import compat, exact, exact_spans
 from genlm_backend.llm.hf.runner import HFRunner
 from tests import conftest

@@ -20,12 +20,9 @@ import torch
 
 from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.engine import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    BatchingConfig,
-    CpuThreads,
-    WaitingCalls,
-)
+from genlm_backend.batching import BatchingConfig, WaitingCalls
+from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS
+from genlm_backend.llm.threads import CpuThreads
 
 VOCAB = [bytes([b]) for b in range(32)]
 TOL = 1e-6
@@ -382,7 +379,7 @@ async def test_a_dead_loop_fails_its_calls_with_the_cause_and_the_next_call_star
     llm = make_llm(timeout_s=LONG_S)
     Recording(llm)
     bug = LoopBug("the serve loop broke")
-    state = llm.engine._loop_state(asyncio.get_running_loop())
+    state = llm.engine.batcher._state(asyncio.get_running_loop())
 
     def broken_take():
         raise bug
@@ -393,10 +390,10 @@ async def test_a_dead_loop_fails_its_calls_with_the_cause_and_the_next_call_star
     )
     for outcome in outcomes:
         assert isinstance(outcome, BatcherWorkerDiedError) and outcome.__cause__ is bug
-    with caplog.at_level(logging.WARNING, logger="genlm_backend.llm.engine"):
+    with caplog.at_level(logging.WARNING, logger="genlm_backend.batching"):
         check_rows([await bounded(llm.next_token_logprobs([1]))], [(1,)])
     assert llm.engine.num_loop_restarts == 1
-    assert "restarting an engine loop" in caplog.text
+    assert "restarting a genlm engine loop" in caplog.text
     await llm.aclose()
 
 
@@ -456,7 +453,7 @@ def test_one_engine_serves_several_asyncio_runs_and_forgets_their_loops():
             return await asyncio.gather(*(llm.next_token_logprobs([run, i]) for i in range(3)))
 
         check_rows(asyncio.run(main()), [(run, i) for i in range(3)])
-    assert len(llm.engine._loops) == 1  # the finished runs' states were dropped
+    assert len(llm.engine.batcher._loops) == 1  # the finished runs' states were dropped
     assert llm.stats.num_batches == 3
     llm.close()
 
@@ -567,13 +564,14 @@ def completion_log(llm, calls: dict) -> tuple[list, asyncio.Future]:
 
 
 @pytest.mark.parametrize("rounds", [False, True])
-async def test_in_rounds_a_call_with_a_cached_row_completes_in_its_turn(rounds):
+async def test_a_call_with_a_cached_row_completes_in_its_turn(rounds):
+    """The output cache is read by the step: a cached row is settled with the calls taken beside it."""
     llm = make_llm(timeout_s=None, rounds=rounds)
     llm.next_token_logprobs_sync([5])
     log, done = completion_log(llm, {"a": [1, 2], "cached": [5], "c": [3]})
     check_rows(await bounded(done), [[1, 2], [5], [3]])
-    order = [name for name, _ in log]
-    assert order == (["a", "cached", "c"] if rounds else ["cached", "a", "c"])
+    assert [name for name, _ in log] == ["a", "cached", "c"]
+    assert llm.stats.num_output_cache_hits == 1
     await llm.aclose()
 
 

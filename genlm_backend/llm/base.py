@@ -11,6 +11,7 @@ part of the engine's, the output cache's and the KV tree's key.
 from __future__ import annotations
 
 import asyncio
+import collections
 import marshal
 import threading
 from collections.abc import Sequence
@@ -20,14 +21,9 @@ import torch
 
 from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.llm.engine import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    AdapterRegistry,
-    BatchingConfig,
-    CpuThreads,
-    Engine,
-    EngineStats,
-)
+from genlm_backend.batching import BatchingConfig
+from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS, Engine, EngineStats
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
@@ -37,6 +33,7 @@ from genlm_backend.llm.sampling import (
     stream_seeds,
 )
 from genlm_backend.llm.stats import LMStats
+from genlm_backend.llm.threads import CpuThreads
 
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
@@ -94,10 +91,9 @@ class AsyncLM:
         cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
             they get (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``:
             steps keep the thread's own count.
-        output_cache_views: The output cache holds the rows of a batch as views
-            of the runner's output (no copy; see
-            :class:`~genlm_backend.cache.output.OutputCache`); ``False``: as copies,
-            for runners whose output is memory they lend and want back.
+        lent_rows: The runner's output is memory it lends and reuses (a server's
+            shared memory): each step copies it once for its callers and the
+            output cache.
     """
 
     def __init__(
@@ -115,7 +111,7 @@ class AsyncLM:
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
         cpu_threads: str | None = None,
-        output_cache_views: bool = True,
+        lent_rows: bool = False,
     ):
         self.batching = BatchingConfig(
             max_batch_size=batch_size,
@@ -140,9 +136,10 @@ class AsyncLM:
             threads = CpuThreads(torch.get_num_threads())
         self.engine = Engine(
             self.batching,
-            OutputCache(output_cache_bytes, keep_views=output_cache_views),
+            OutputCache(output_cache_bytes, keep_views=True),
             owner=type(self).__name__,
             cpu_threads=threads,
+            lent_rows=lent_rows,
         )
         """Where every call's requests go: see :class:`~genlm_backend.llm.engine.Engine`."""
         self._max_context_length = max_context_length
@@ -241,15 +238,28 @@ class AsyncLM:
         requests = []
         for index, token_ids in enumerate(token_ids_list):
             try:
-                context, parent = validate(token_ids)
+                context, parent, hashed = validate(token_ids)
             except (TypeError, ValueError) as exc:
                 if argument is None:
                     raise
                 position = index if positions is None else positions[index]
                 raise type(exc)(f"{argument}[{position}]: {exc}") from None
-            requests.append(Request(adapter, context, parent))
+            requests.append(Request(adapter, context, parent, hashed=hashed))
         self.engine.count_requests(requests)
         return requests
+
+    def request(self, token_ids: TokenIds, lora_name: str | None = None) -> Request:
+        """:meth:`requests` of one context, errors naming just the context: a particle's
+        call, the most frequent, in as few steps as it takes."""
+        engine = self.engine
+        if engine.is_closed:
+            engine.check_open()
+        adapter = self.adapters.default if lora_name is None else self.adapters.get(lora_name)
+        context, parent, hashed = self._contexts.validate(token_ids)
+        counts = engine.counts
+        counts["requests"] += 1
+        counts["tokens_requested"] += len(context)
+        return Request(adapter, context, parent, hashed=hashed)
 
     def _score_requests(
         self,
@@ -297,9 +307,8 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        requests = self.requests([token_ids], lora_name, argument=None)
-        (row,) = await self.engine.rows(requests)
-        return own_copy(row)
+        (row,) = await self.engine.results((self.request(token_ids, lora_name),))
+        return row
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -309,8 +318,7 @@ class AsyncLM:
         Every context is validated before any is computed.
         """
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        rows, owned = await self.engine.rows_owned(requests)
-        return own_block(rows, owned and not self.output_cache.keep_views)
+        return as_block(await self.engine.results(requests))
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -319,17 +327,15 @@ class AsyncLM:
 
         Works with or without a running event loop (a notebook cell, a callback).
         """
-        requests = self.requests([token_ids], lora_name, argument=None)
-        rows, _ = self.engine.rows_now(requests)
-        return own_copy(rows[0])
+        (row,) = self.engine.results_now((self.request(token_ids, lora_name),))
+        return row
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        rows, owned = self.engine.rows_now(requests)
-        return own_block(rows, owned and not self.output_cache.keep_views)
+        return as_block(self.engine.results_now(requests))
 
     def next_token_logprobs_uncached(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -373,8 +379,8 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
         """
         requests = self._score_requests(context, [continuation], lora_name, None)
-        (scores,) = await self.engine.scores(requests)
-        return scores.to(self.device, copy=True)
+        (scores,) = await self.engine.results(requests)
+        return scores.to(self.device)
 
     async def batch_continuation_logprobs(
         self,
@@ -390,14 +396,14 @@ class AsyncLM:
         requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        return [scores.to(self.device, copy=True) for scores in await self.engine.scores(requests)]
+        return [scores.to(self.device) for scores in await self.engine.results(requests)]
 
     def continuation_logprobs_sync(
         self, context: TokenIds, continuation: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`continuation_logprobs`, computed in the calling thread."""
         requests = self._score_requests(context, [continuation], lora_name, None)
-        return self.engine.scores_now(requests)[0].to(self.device, copy=True)
+        return self.engine.results_now(requests)[0].to(self.device)
 
     def batch_continuation_logprobs_sync(
         self,
@@ -409,7 +415,7 @@ class AsyncLM:
         requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        return [scores.to(self.device, copy=True) for scores in self.engine.scores_now(requests)]
+        return [scores.to(self.device) for scores in self.engine.results_now(requests)]
 
     # ------------------------------------------------------------------ sampling
 
@@ -566,33 +572,21 @@ class AsyncLM:
         await self.aclose()
 
 
-def own_copy(row: torch.Tensor) -> torch.Tensor:
-    """A copy of ``row`` for the caller to keep (and change) without touching the cache's.
-
-    On the CPU the copy runs in this thread (numpy's): torch's starts its
-    OpenMP team for a row of a large vocabulary, and on a machine whose cores
-    are busy the event loop would then wait for a descheduled thread.
-    """
-    if row.device.type == "cpu" and row.dtype == torch.float32 and not row.requires_grad:
-        return torch.from_numpy(row.numpy().copy())
-    return row.clone()
-
-
-def own_block(rows: Sequence[torch.Tensor], owned: bool) -> torch.Tensor:
-    """``[len(rows), V]`` for the caller to keep: the runner's output itself when the rows are
-    all of it, in order, and nobody else was handed them (``owned``); else a stacked copy."""
-    block = one_block(rows) if owned else None
+def as_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(rows), V]`` for the caller to keep: the tensor whose rows ``rows`` are, all of them
+    in order (a step's fresh output, computed for this call alone: see
+    :mod:`~genlm_backend.llm.engine`), else a stacked copy."""
+    block = one_block(rows)
     return torch.stack(list(rows)) if block is None else block
 
 
 def one_block(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The ``[len(rows), V]`` tensor whose rows ``rows`` are, all of them and in order; else ``None``.
 
-    A runner returns a fresh tensor per batch, and every other holder of its
-    rows copies them (the output cache stores compact copies, single-row
-    callers get :func:`own_copy`). So a batch call whose rows were computed
-    for it alone, as one runner output, returns that output itself instead
-    of a stacked copy of it.
+    Each step's rows are views of one fresh tensor, each handed to one caller
+    only (any other receiver gets a copy). So a batch call whose rows were
+    computed for it alone, as one step's output, returns that tensor itself
+    instead of a stacked copy of it.
     """
     base = rows[0]._base
     if base is None or base.dim() != 2 or not base.is_contiguous():
@@ -808,13 +802,18 @@ class RecentContexts:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
-        self._by_hash: dict[int, tuple[int, ...]] = {}
+        # Oldest first; OrderedDict pops its oldest in O(1) (a dict's first key, after many
+        # pops, is found past their dead slots: a scan per eviction).
+        self._by_hash: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
         self._num_tokens = 0
         self._lock = threading.Lock()
 
-    def validate(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-        """``token_ids`` as :func:`validate_token_ids` returns it, and the recent context it
-        extends by one token (``None`` if none).
+    def validate(
+        self, token_ids: TokenIds
+    ) -> tuple[tuple[int, ...], tuple[int, ...] | None, int]:
+        """``token_ids`` as :func:`validate_token_ids` returns it, the recent context it
+        extends by one token (``None`` if none), and its
+        :func:`~genlm_backend.cache.kv_tree.context_hash`.
 
         Raises:
             TypeError, ValueError: as :func:`validate_token_ids`.
@@ -825,8 +824,7 @@ class RecentContexts:
             parent = None
         else:
             context, parent = extended
-        self._remember(context)
-        return context, parent
+        return context, parent, self._remember(context)
 
     def _extend_recent(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """``(recent + (last,), recent)`` for the recent context equal to ``token_ids[:-1]``, if
@@ -854,7 +852,8 @@ class RecentContexts:
             return None
         return context, parent
 
-    def _remember(self, context: tuple[int, ...]) -> None:
+    def _remember(self, context: tuple[int, ...]) -> int:
+        """Hold ``context`` as a recent one; its hash."""
         key = context_hash(context)
         with self._lock:
             old = self._by_hash.pop(key, None)
@@ -863,7 +862,8 @@ class RecentContexts:
             self._by_hash[key] = context
             self._num_tokens += len(context)
             while self._num_tokens > self.max_tokens and len(self._by_hash) > 1:
-                self._num_tokens -= len(self._by_hash.pop(next(iter(self._by_hash))))
+                self._num_tokens -= len(self._by_hash.popitem(last=False)[1])
+        return key
 
     def clear(self) -> None:
         with self._lock:

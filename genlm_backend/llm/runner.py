@@ -34,34 +34,63 @@ class Adapter:
     path: str
 
 
-@dataclass(frozen=True)
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Hashed once, from the context's length and last tokens
-    (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a key of
-    the batcher and the output cache at every step, and Python's hash of a
-    long context reads all of it.
+    Immutable. Hashed once, from the adapter and the context's length and last
+    tokens (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a
+    key of the batcher and the output cache at every step, and Python's hash
+    of a long context reads all of it.
 
     ``parent``, when known, is the context one token shorter as an earlier
     request held it (the same tuple): the KV tree finds its node by it
     without reading the context. Not part of the request's identity.
     """
 
+    __slots__ = ("_hash", "adapter", "context", "parent")
+
     adapter: Adapter | None
     context: tuple[int, ...]
-    parent: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
-    _hash: int = field(init=False, repr=False, compare=False)
+    parent: tuple[int, ...] | None
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.adapter, context_hash(self.context))))
+    def __init__(
+        self,
+        adapter: Adapter | None,
+        context: tuple[int, ...],
+        parent: tuple[int, ...] | None = None,
+        *,
+        hashed: int | None = None,
+    ):
+        """``hashed``: ``context_hash(context)``, when the caller has it already."""
+        _set(self, "adapter", adapter)
+        _set(self, "context", context)
+        _set(self, "parent", parent)
+        _set(self, "_hash", hash((adapter, context_hash(context) if hashed is None else hashed)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Request is immutable: cannot set {name!r}")
 
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Request:
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.adapter == other.adapter
+            and (self.context is other.context or self.context == other.context)
+        )
+
+    def __repr__(self) -> str:
+        return f"Request(adapter={self.adapter!r}, context={self.context!r})"
+
     def __reduce__(self):
         # Rebuilt, not copied: the hash of an adapter's name differs between processes.
         return type(self), (self.adapter, self.context)
+
+
+_set = object.__setattr__
 
 
 @dataclass(frozen=True)
