@@ -18,11 +18,10 @@ import threading
 import pytest
 import torch
 
+from genlm_backend.batching import BatchingConfig, CpuThreads, WaitingCalls
 from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.batching import BatchingConfig, WaitingCalls
 from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS
-from genlm_backend.llm.threads import CpuThreads
 
 VOCAB = [bytes([b]) for b in range(32)]
 TOL = 1e-6

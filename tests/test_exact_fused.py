@@ -1,4 +1,4 @@
-"""Exact attention's fused kernels (``genlm_backend.llm.hf.exact_fused``): the same function as the torch order's.
+"""Exact attention's fused kernels (``genlm_backend.llm.hf.exact.fused``): the same function as the torch order's.
 
 They run where Triton compiles them (CUDA, ``-m gpu``) or under its
 interpreter (``TRITON_INTERPRET=1 GENLM_EXACT_FUSED=1``, products made
@@ -89,7 +89,7 @@ def test_fused_rows_agree_with_the_torch_order_and_a_plain_forward(device, monke
 def test_row_means_are_means_and_a_row_s_bits_do_not_depend_on_the_others(device):
     """An RMS norm's mean under :class:`RowMeans`: torch's mean within rounding, and a row's
     bits the same alone, among 5 rows, and among 300 (torch's CUDA launch shape follows the count)."""
-    from genlm_backend.llm.hf.exact_fused import RowMeans, row_means
+    from genlm_backend.llm.hf.exact.fused import RowMeans, row_means
 
     torch.manual_seed(0)
     x = torch.randn(300, 2048, device=device)

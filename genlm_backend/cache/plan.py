@@ -16,7 +16,7 @@ new block (``P`` = longest own past, ``K`` = most new tokens)::
 
 A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
-(:func:`~genlm_backend.cache.kv_block.extendable_block`): the SMC step, with no copy at all.
+(:func:`extendable_block`): the SMC step, with no copy at all.
 
 A context that is a prefix of another context of the batch, whose row
 computes the position after it, is not a row of its own: its next-token
@@ -37,14 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from genlm_backend.cache.kv_block import (
-    KVBlock,
-    KVEntry,
-    Piece,
-    Placement,
-    Segment,
-    extendable_block,
-)
+from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Segment
 
 
 @dataclass(frozen=True)
@@ -382,3 +375,32 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
+    """The block a batch of one-token steps may write into in place, or ``None``.
+
+    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
+    row ``i`` extends, by one token, the whole context of an entry held
+    by row ``i`` of one block; those entries' spans all end at the same
+    slot, which is their row's last written slot (so the slot written now
+    belongs to no other entry), and a free slot is left. That is the SMC
+    step without resampling; anything else is copied into a new block.
+    """
+    first = steps[0][0] if steps else None
+    if first is None:
+        return None
+    block, end = first.block, first.start + first.length
+    if block.num_rows != len(steps) or end >= block.num_slots:
+        return None
+    for i, (entry, reused) in enumerate(steps):
+        if (
+            entry is None
+            or entry.block is not block
+            or entry.row != i
+            or reused != entry.offset + entry.length
+            or entry.start + entry.length != end
+            or block.row_ends[i] != end
+        ):
+            return None
+    return block

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from genlm_backend.batching import BatchingConfig, CpuThreads
 from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.batching import BatchingConfig
 from genlm_backend.llm.adapters import AdapterRegistry
 from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS, Engine, EngineStats
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
@@ -33,7 +33,6 @@ from genlm_backend.llm.sampling import (
     stream_seeds,
 )
 from genlm_backend.llm.stats import LMStats
-from genlm_backend.llm.threads import CpuThreads
 
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
@@ -808,9 +807,7 @@ class RecentContexts:
         self._num_tokens = 0
         self._lock = threading.Lock()
 
-    def validate(
-        self, token_ids: TokenIds
-    ) -> tuple[tuple[int, ...], tuple[int, ...] | None, int]:
+    def validate(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...] | None, int]:
         """``token_ids`` as :func:`validate_token_ids` returns it, the recent context it
         extends by one token (``None`` if none), and its
         :func:`~genlm_backend.cache.kv_tree.context_hash`.

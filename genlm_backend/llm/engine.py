@@ -30,7 +30,7 @@ it. Where a step mostly waits (a server's client) or runs threads of its own
 :attr:`Engine.compute_in_loop` is ``False`` and steps run in one worker
 thread. Spinning threads take the cores from other processes, so a CPU step
 in the loop's thread adapts its thread count to the cores it gets
-(:class:`~genlm_backend.llm.threads.CpuThreads`); a row's last bits may then
+(:class:`~genlm_backend.batching.CpuThreads`); a row's last bits may then
 differ from those of the same row computed with the other count.
 """
 
@@ -42,12 +42,11 @@ from collections.abc import Sequence
 
 import torch
 
-from genlm_backend.batching import Batcher, BatcherStats, BatchingConfig, StepOutcome
+from genlm_backend.batching import Batcher, BatcherStats, BatchingConfig, CpuThreads, StepOutcome
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError, BatcherClosedError
 from genlm_backend.llm.adapters import AdapterRegistry
 from genlm_backend.llm.runner import Adapter, Request, Runner, ScoreRequest
-from genlm_backend.llm.threads import CpuThreads
 
 DEFAULT_MAX_BATCH_TOKENS = 1 << 15
 """Tokens per batch for the language-model backends, as their runners count them (the part of
@@ -92,7 +91,6 @@ class Engine:
         self.lock = threading.Lock()
         """Held by every model call and every change of the runner's state."""
         self.is_closed = False
-        self.cpu_threads = cpu_threads
         self.lent_rows = lent_rows
         self._owner = owner
         self._is_released = False
@@ -102,6 +100,7 @@ class Engine:
             name="genlm engine",
             share=own_copy,
             num_worker_threads=torch.get_num_threads(),
+            cpu_threads=cpu_threads,
         )
         self.counts = dict.fromkeys(
             ("requests", "tokens_requested", "cache_hits", "batches", "contexts"), 0
@@ -124,6 +123,11 @@ class Engine:
     @compute_in_loop.setter
     def compute_in_loop(self, in_loop: bool) -> None:
         self.batcher.in_loop = in_loop
+
+    @property
+    def cpu_threads(self) -> CpuThreads | None:
+        """Adapts the torch threads of steps in the event loop's thread (``None``: fixed)."""
+        return self.batcher.cpu_threads
 
     @property
     def num_loop_restarts(self) -> int:
@@ -163,7 +167,7 @@ class Engine:
         todo = list(dict.fromkeys(requests))
         found: dict = {}
         while todo:
-            found.update(self.step(todo, in_loop=False).found)
+            found.update(self.step(todo).found)
             todo = [key for key in todo if key not in found]
         values = []
         handed: set = set()
@@ -184,7 +188,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, todo: list[Key], in_loop: bool | None = None) -> StepOutcome:
+    def step(self, todo: list[Key]) -> StepOutcome:
         """The values of the first of the distinct requests ``todo`` that one step holds.
 
         Rows the output cache holds come first (copies), then a batch within
@@ -205,9 +209,7 @@ class Engine:
             batch = todo[:1]  # what a failing cost estimate fails
             try:
                 batch = self._within_budget(todo)
-                if in_loop is None:
-                    in_loop = self.batcher.in_loop
-                found.update(self._compute(batch, in_loop=in_loop))
+                found.update(self._compute(batch))
                 return StepOutcome(found)
             except Exception as exc:  # noqa: BLE001 - for the calls of this batch
                 found.update(dict.fromkeys(batch, exc))
@@ -231,31 +233,27 @@ class Engine:
         costs = (self.runner.request_tokens(_as_request(r)) for r in todo)
         return todo[: config.next_batch_length(costs)]
 
-    def _compute(self, batch: list[Key], in_loop: bool) -> dict:
+    def _compute(self, batch: list[Key]) -> dict:
         """``{request: value}`` for a batch of distinct rows and scores (lock held); rows enter the output cache.
 
         A request whose adapter was removed or re-registered since its call
         is not computed: its value is the ``ValueError`` its caller gets.
-        ``in_loop``: a step in the event loop's thread, whose torch threads
-        :attr:`cpu_threads` adapts (a worker's, or a synchronous caller's, keep theirs).
         """
-        is_current = self.adapters.is_current
-        rows = [r for r in batch if type(r) is Request and is_current(r.adapter)]
-        scores = [r for r in batch if type(r) is ScoreRequest and is_current(r.adapter)]
-        threads = self.cpu_threads if in_loop else None
-        start = threads.apply() if threads is not None else None
+        if all(r.adapter is None for r in batch):  # the base model is always current
+            rows = [r for r in batch if type(r) is Request]
+            scores = [r for r in batch if type(r) is ScoreRequest] if len(rows) < len(batch) else []
+        else:
+            is_current = self.adapters.is_current
+            rows = [r for r in batch if type(r) is Request and is_current(r.adapter)]
+            scores = [r for r in batch if type(r) is ScoreRequest and is_current(r.adapter)]
         found: dict = {}
-        try:
-            if rows:
-                block = self._fresh(self.runner.run(rows))
-                values = block.unbind(0)
-                self.output_cache.put_rows(rows, values, block)
-                found.update(zip(rows, values))
-            if scores:
-                found.update(zip(scores, self.runner.score(scores)))
-        finally:
-            if threads is not None and start is not None:
-                threads.observe(start)
+        if rows:
+            block = self._fresh(self.runner.run(rows))
+            values = block.unbind(0)
+            self.output_cache.put_rows(rows, values, block)
+            found.update(zip(rows, values))
+        if scores:
+            found.update(zip(scores, self.runner.score(scores)))
         self.counts["batches"] += 1
         self.counts["contexts"] += len(rows) + len(scores)
         if len(found) < len(batch):

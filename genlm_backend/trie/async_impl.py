@@ -145,7 +145,9 @@ class AsyncTokenCharacterTrie:
     async def _submit(self, op: str, ws):
         if self._is_closed:
             raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
-        (value,) = await self._batcher.submit([_TrieRequest(op, self.trie._check(ws, batched=False))])
+        (value,) = await self._batcher.submit(
+            [_TrieRequest(op, self.trie._check(ws, batched=False))]
+        )
         return value
 
     async def _queue_request(self, ws, op: str) -> asyncio.Task:

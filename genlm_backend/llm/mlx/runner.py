@@ -1,10 +1,10 @@
 """Batched next-token forward passes of an mlx-lm model, reusing cached prefixes.
 
-No asyncio here: :meth:`MlxRunner.logprobs` takes distinct contexts and
-returns a ``[B, V]`` torch tensor. Each batch is planned by the planner the
-transformers backend uses (:mod:`~genlm_backend.cache.plan`) over the same
-:class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, and each pass of the
-plan is executed with MLX arrays: cached pieces several rows share (a
+No asyncio here: :meth:`MlxRunner.run` takes distinct requests and
+returns a ``[B, V]`` torch tensor. The prefix-cache driver the transformers
+backend uses (:class:`~genlm_backend.llm.runner.PrefixCacheDriver`) plans
+each batch over the same :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`;
+:class:`MlxExecutor` executes each pass of the plan with MLX arrays: cached pieces several rows share (a
 prompt) are read in place, once for all of them
 (:meth:`~genlm_backend.llm.mlx.kv.BatchView.attend`); each row's own past is
 copied into the pass's block, or a one-token step writes in place into the
@@ -15,7 +15,7 @@ that prefix computed once first.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 
 import mlx.core as mx
 import numpy as np
@@ -23,54 +23,40 @@ import torch
 
 from genlm_backend.cache import plan as planner
 from genlm_backend.cache.kv_tree import KVPrefixTree
-from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan
+from genlm_backend.cache.plan import LevelPolicy, PassPlan
 from genlm_backend.llm.mlx import compat
 from genlm_backend.llm.mlx.adapters import MlxAdapters
 from genlm_backend.llm.mlx.kv import ForwardPass, KVLayout, MlxKVBlock
 from genlm_backend.llm.runner import (
-    Adapter,
+    ExecutorSupport,
+    PassResult,
+    PrefixCacheDriver,
+    PrefixCacheRunner,
     Request,
-    RunnerStats,
-    ScoreRequest,
     fit_to_vocab,
-    group_by_adapter,
-    score_from_rows,
 )
 
 MIN_LEVEL_TOKENS = 32
 """Shortest cached piece read in place by the rows that share it (a shorter one is copied into each row)."""
 
 
-class MlxRunner:
-    """Turns batches of requests into next-token log-probabilities with KV-prefix reuse.
+class MlxExecutor:
+    """Runs planned passes of an mlx-lm model over MLX blocks of the KV tree (see the module).
 
     Args:
         model: An mlx-lm model of an attention-only architecture.
-        kv_tree: Where keys/values are looked up and left.
-        vocab_size: Columns of the output (extra logit columns are dropped,
-            missing ones are ``-inf``).
-        prefill_step_size: Most tokens per row in one call of the model (a
-            longer prefill runs in chunks, bounding its working memory).
-
-    Raises:
-        ValueError: a recurrent or hybrid model, or ``prefill_step_size`` < 1.
-        ImportError: an untested mlx-lm version.
+        kv_tree: Where the passes' blocks are reserved.
+        vocab_size: Columns of the output.
+        prefill_step_size: Most tokens per row in one call of the model.
     """
 
+    support = ExecutorSupport(adapters=True, captured_steps=False, exact_rows=False)
+
     def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, prefill_step_size: int):
-        compat.check_mlx_lm_version()
-        compat.check_attention_only(model)
-        if prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-        # Weights still to be computed (a lazy load) are bound to this thread's stream;
-        # the batcher's worker thread must find them computed.
-        mx.eval(model.parameters())
         self.model = model
         self.kv_tree = kv_tree
         self.vocab_size = vocab_size
         self.prefill_step_size = prefill_step_size
-        self.num_tokens_computed = 0
-        self.adapters = MlxAdapters(model)
         self.layout = _probe_layout(model)
         self._split = compat.split_model(model)
         self.level_policy = LevelPolicy(
@@ -79,105 +65,8 @@ class MlxRunner:
             min_prefill_tokens=MIN_LEVEL_TOKENS,
         )
         """When cached pieces are read in place (never, where the model's attention cannot be routed)."""
-        compat.clear_at_exit(self)
 
-    @property
-    def stats(self) -> RunnerStats:
-        return RunnerStats(
-            num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held
-        )
-
-    def request_tokens(self, request: Request) -> int:
-        """A request's cost against the batch token budget: the part of its context not cached yet (an estimate)."""
-        cached = self.kv_tree.cached_length(request.context, request.adapter, request.parent)
-        return max(1, len(request.context) - cached)
-
-    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
-        """Scores gathered from the rows of each continuation's prefixes (computed in one batch)."""
-        return score_from_rows(self.run, requests)
-
-    def run(self, requests: Sequence[Request]) -> torch.Tensor:
-        """``[len(requests), vocab_size]`` float32 log-probabilities on the CPU."""
-        out = torch.empty(len(requests), self.vocab_size, dtype=torch.float32)
-        for adapter, positions in group_by_adapter(requests).items():
-            with self.adapters.active(adapter):
-                out[positions] = self.logprobs([requests[i].context for i in positions], adapter)
-        return out
-
-    def run_uncached(self, request: Request) -> torch.Tensor:
-        """Reference: one plain mlx-lm forward over the whole context under its adapter, no cache."""
-        with self.adapters.active(request.adapter):
-            logits = self.model(mx.array([list(request.context)]))[:, -1]
-            return _to_logprobs(logits, self.vocab_size)[0]
-
-    def load_adapter(self, adapter: Adapter) -> None:
-        self.adapters.load(adapter)
-
-    def unload_adapter(self, adapter: Adapter) -> None:
-        self.kv_tree.drop_namespace(adapter)
-        self.adapters.unload(adapter)
-
-    def clear(self) -> None:
-        self.kv_tree.clear()
-        mx.clear_cache()
-
-    def close(self) -> None:
-        self.clear()
-
-    def logprobs(
-        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
-    ) -> torch.Tensor:
-        """Log-probabilities after each context, keys/values kept under ``namespace``.
-
-        Runs the model as it is (activating an adapter is :meth:`run`'s job).
-
-        Returns:
-            ``float32`` ``[len(contexts), vocab_size]`` on the CPU, normalized per row.
-        """
-        lookups = self._lookup(contexts, namespace)
-        if self.level_policy.enabled:
-            rounds = self._prefill_rounds(lookups, namespace)
-            for prefixes in rounds:
-                self._execute(self._plan(self._lookup(prefixes, namespace)), namespace)
-            if rounds:  # the tree changed: look again
-                lookups = self._lookup(contexts, namespace)
-        return self._execute(self._plan(lookups), namespace)
-
-    def _lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
-        found = []
-        for i, context in enumerate(contexts):
-            entry, shared = self.kv_tree.longest_prefix(context, namespace)
-            reused = min(shared, len(context) - 1)  # the last token must run to give logits
-            found.append(Lookup(i, context, entry if reused > 0 else None, reused))
-        return found
-
-    def _plan(self, lookups: list[Lookup]) -> BatchPlan:
-        return planner.plan_batch(lookups, self.level_policy)
-
-    def _prefill_rounds(self, lookups: list[Lookup], namespace: Hashable) -> list:
-        """Prefixes shared by several contexts with many uncached tokens, to compute first."""
-        min_tokens = self.level_policy.min_prefill_tokens
-        hosts = [lookup for lookup, _ in planner.nest(lookups)]
-        return planner.shared_uncached_prefixes(
-            [lookup.context for lookup in hosts if lookup.num_new > min_tokens],
-            lambda prefix: self.kv_tree.cached_length(prefix, namespace),
-            min_tokens,
-        )
-
-    def _execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
-        """Run the plan's passes; their keys/values enter the tree once every pass succeeded."""
-        out = torch.empty(plan.num_outputs, self.vocab_size, dtype=torch.float32)
-        computed = []
-        for pass_plan in plan.passes:
-            logprobs, block = self._forward(pass_plan)
-            out[[index for index, _, _ in pass_plan.reads]] = logprobs
-            computed.append((pass_plan.placements(), block))
-        # A failed pass leaves nothing in the tree.
-        for placements, block in computed:
-            self.kv_tree.commit(block, placements, namespace)
-        return out
-
-    def _forward(self, plan: PassPlan) -> tuple[torch.Tensor, MlxKVBlock]:
+    def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
         """One pass: the log-probabilities of its reads, in order, and the block written."""
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
         assert isinstance(block, MlxKVBlock), "MLX passes extend MLX blocks"
@@ -208,8 +97,7 @@ class MlxRunner:
             self._check_shared_reads(forward)
         selected = mx.concatenate(picked)[mx.array(np.argsort(order))]
         logits = selected if self._split is None else self._split[1](selected)
-        self.num_tokens_computed += sum(row.num_new for row in plan.rows)
-        return _to_logprobs(logits, self.vocab_size), block
+        return PassResult(_to_logprobs(logits, self.vocab_size), block, plan.placements())
 
     def _call(self, inputs: mx.array, forward: ForwardPass) -> mx.array:
         if self._split is None:
@@ -236,6 +124,60 @@ class MlxRunner:
         block = MlxKVBlock.zeros(self.layout, len(plan.rows), num_slots)
         block.copy_in(planner.own_part_copies(plan))
         return block
+
+
+class MlxRunner(PrefixCacheRunner):
+    """Turns batches of requests into next-token log-probabilities with KV-prefix reuse.
+
+    Args:
+        model: An mlx-lm model of an attention-only architecture.
+        kv_tree: Where keys/values are looked up and left.
+        vocab_size: Columns of the output (extra logit columns are dropped,
+            missing ones are ``-inf``).
+        prefill_step_size: Most tokens per row in one call of the model (a
+            longer prefill runs in chunks, bounding its working memory).
+
+    Raises:
+        ValueError: a recurrent or hybrid model, or ``prefill_step_size`` < 1.
+        ImportError: an untested mlx-lm version.
+    """
+
+    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, prefill_step_size: int):
+        compat.check_mlx_lm_version()
+        compat.check_attention_only(model)
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        # Weights still to be computed (a lazy load) are bound to this thread's stream;
+        # the batcher's worker thread must find them computed.
+        mx.eval(model.parameters())
+        self.model = model
+        self.executor = MlxExecutor(model, kv_tree, vocab_size, prefill_step_size)
+        driver = PrefixCacheDriver(kv_tree, self.executor, vocab_size)
+        super().__init__(driver, MlxAdapters(model), torch.device("cpu"))
+        compat.clear_at_exit(self)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.executor.layout
+
+    @property
+    def level_policy(self) -> LevelPolicy:
+        """When cached pieces are read in place (settable)."""
+        return self.executor.level_policy
+
+    @level_policy.setter
+    def level_policy(self, policy: LevelPolicy) -> None:
+        self.executor.level_policy = policy
+
+    def run_uncached(self, request: Request) -> torch.Tensor:
+        """Reference: one plain mlx-lm forward over the whole context under its adapter, no cache."""
+        with self.adapters.active(request.adapter):
+            logits = self.model(mx.array([list(request.context)]))[:, -1]
+            return _to_logprobs(logits, self.vocab_size)[0]
+
+    def clear(self) -> None:
+        super().clear()
+        mx.clear_cache()
 
 
 def _to_logprobs(logits: mx.array, vocab_size: int) -> torch.Tensor:
