@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from numbers import Real
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -82,6 +82,10 @@ class BatchingConfig:
         flush_on_idle: Take the waiting calls as soon as a full event-loop pass added none.
         rounds: Settle the calls taken together at once, in the order they
             were made, cached ones included (see above).
+        chunk_tokens: Most tokens a step computes while the event loop waits for
+            it (a step in the loop's thread): longer work, a prompt's prefill,
+            goes in chunks of this many tokens, the loop running between them;
+            ``None``: a step computes its whole batch at once.
 
     Raises:
         TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that
@@ -95,9 +99,10 @@ class BatchingConfig:
     timeout_s: float | None = 0.02
     flush_on_idle: bool = True
     rounds: bool = False
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens"):
+        for name in ("max_batch_size", "max_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -280,7 +285,7 @@ class WaitingCalls(Generic[K]):
         self,
         calls: Sequence[Call[K]],
         found: dict,
-        share: Callable[[object], object] | None = None,
+        share: Callable[[Any], Any] | None = None,
     ) -> None:
         """Give each call the values ``found`` has for its keys (an exception fails the call):
         the calls taken, and those that came while they computed (not in rounds: they wait
@@ -513,7 +518,7 @@ class Batcher(Generic[K]):
         *,
         name: str,
         in_loop: bool = True,
-        share: Callable[[object], object] | None = None,
+        share: Callable[[Any], Any] | None = None,
         num_worker_threads: int | None = None,
         cpu_threads: CpuThreads | None = None,
     ):
@@ -614,6 +619,8 @@ class Batcher(Generic[K]):
                     if not rounds:
                         break  # the rest wait for the next step, with whatever came meanwhile
                     todo = [key for key in todo if key not in found]
+                    if todo and self.in_loop:
+                        await asyncio.sleep(0)  # the loop runs between a round's steps
                 calls.settle(taken, found, self.share)
                 # Values (lent memory, say) live no longer than their callers.
                 del taken, todo, found

@@ -304,9 +304,10 @@ class KVPrefixTree:
     def _touch(self, entry: KVEntry) -> None:
         # Ancestors after the entry: a parent is never less recently used than its dependents.
         lru = self._lru
-        while entry is not None:
-            lru.move_to_end(id(entry))
-            entry = entry.parent
+        found: KVEntry | None = entry
+        while found is not None:
+            lru.move_to_end(id(found))
+            found = found.parent
 
     def reserve(self, nbytes: int, pinned: Iterable[KVEntry] = ()) -> bool:
         """Evict least recently used entries until ``nbytes`` more fit in the budget.
@@ -316,9 +317,10 @@ class KVPrefixTree:
         """
         pinned_ids = set()
         for entry in pinned:
-            while entry is not None:  # the entry and its ancestors
-                pinned_ids.add(id(entry))
-                entry = entry.parent
+            held: KVEntry | None = entry
+            while held is not None:  # the entry and its ancestors
+                pinned_ids.add(id(held))
+                held = held.parent
         for entry_id in list(self._lru):
             if self._bytes_held + nbytes <= self.budget_bytes:
                 break

@@ -38,6 +38,10 @@ __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids
 
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB
 
+DEFAULT_CHUNK_TOKENS = 64
+"""Tokens a step in the event loop's thread computes at once (see ``AsyncLM``'s ``chunk_tokens``):
+a 64-token chunk of SmolLM2-135M's prefill takes about 60 ms on two CPU cores (BENCHMARKS.md)."""
+
 
 class AsyncLM:
     """Next-token log-probabilities over the whole vocabulary, for many concurrent callers.
@@ -59,7 +63,8 @@ class AsyncLM:
 
     Concurrency: concurrent ``await``\\ s on one event loop are batched by the
     backend's :class:`~genlm_backend.llm.engine.Engine`, whose steps run in the
-    event loop's thread (see the engine's module for why, and for servers). The
+    event loop's thread (``compute_in_loop``; see the engine's module for why,
+    and for servers), long ones in chunks with the loop running between them. The
     ``*_sync`` methods compute directly in the calling thread and work with or
     without a running loop. An object may serve several ``asyncio.run`` calls in turn.
 
@@ -78,17 +83,26 @@ class AsyncLM:
             (``None``: no limit; batches go when the event loop is idle).
         rounds: Calls complete in the order they were made, whatever the
             cache holds and whoever else calls (``rounds`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         max_batch_tokens: Most tokens per model batch, as the runner counts them
             (the part of each context it computes); ``None`` for no budget. A
             longer context goes alone.
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
+        compute_in_loop: Steps run in the event loop's thread (the default:
+            fastest where the particles all wait for them), blocking the loop
+            for at most a chunk at a time; ``False``: in one worker thread, the
+            loop free meanwhile (for applications that serve other work on
+            the loop). Settable later as ``llm.engine.compute_in_loop``.
+        chunk_tokens: Most tokens a step in the loop's thread computes at once:
+            a longer prefill goes in chunks of this many tokens, the loop
+            running between them (``None``: whole batches). Steps in a worker
+            thread are not cut.
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
         byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.
         str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
         cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
-            they get (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``:
+            they get (:class:`~genlm_backend.batching.CpuThreads`); ``None``:
             steps keep the thread's own count.
         lent_rows: The runner's output is memory it lends and reuses (a server's
             shared memory): each step copies it once for its callers and the
@@ -105,6 +119,8 @@ class AsyncLM:
         rounds: bool = False,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        compute_in_loop: bool = True,
+        chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
         max_context_length: int | None = None,
         device: str | torch.device = "cpu",
         byte_vocab: Sequence[bytes] | None = None,
@@ -117,7 +133,10 @@ class AsyncLM:
             max_batch_tokens=max_batch_tokens,
             timeout_s=timeout_s,
             rounds=rounds,
+            chunk_tokens=chunk_tokens,
         )
+        if not isinstance(compute_in_loop, bool):
+            raise TypeError(f"compute_in_loop must be a bool, got {compute_in_loop!r}")
         if cpu_threads not in (None, "auto"):
             raise ValueError(f'cpu_threads must be "auto" or None, got {cpu_threads!r}')
         self.tokenizer = tokenizer
@@ -140,6 +159,7 @@ class AsyncLM:
             cpu_threads=threads,
             lent_rows=lent_rows,
         )
+        self.engine.compute_in_loop = compute_in_loop
         """Where every call's requests go: see :class:`~genlm_backend.llm.engine.Engine`."""
         self._max_context_length = max_context_length
         self._contexts = RecentContexts(len(self.byte_vocab), max_context_length)

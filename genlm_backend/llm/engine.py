@@ -103,7 +103,7 @@ class Engine:
             cpu_threads=cpu_threads,
         )
         self.counts = dict.fromkeys(
-            ("requests", "tokens_requested", "cache_hits", "batches", "contexts"), 0
+            ("requests", "tokens_requested", "cache_hits", "batches", "contexts", "chunks"), 0
         )
 
     @property
@@ -167,7 +167,7 @@ class Engine:
         todo = list(dict.fromkeys(requests))
         found: dict = {}
         while todo:
-            found.update(self.step(todo).found)
+            found.update(self.compute(todo).found)
             todo = [key for key in todo if key not in found]
         values = []
         handed: set = set()
@@ -189,13 +189,21 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def step(self, todo: list[Key]) -> StepOutcome:
+        """The batcher's step: :meth:`compute`, in chunks of ``chunk_tokens`` while steps run in
+        the event loop's thread (:class:`~genlm_backend.batching.BatchingConfig`)."""
+        return self.compute(todo, self.config.chunk_tokens if self.batcher.in_loop else None)
+
+    def compute(self, todo: list[Key], chunk_tokens: int | None = None) -> StepOutcome:
         """The values of the first of the distinct requests ``todo`` that one step holds.
 
         Rows the output cache holds come first (copies), then a batch within
-        the budget is computed. Runs in the thread that computes (the loop's,
-        the worker, or a synchronous caller's). A model error becomes the
-        value of each request of the batch, so that it fails exactly the calls
-        that waited for them.
+        the budget is computed; with ``chunk_tokens``, a batch that would
+        compute more (a prompt's prefill) gets a chunk of its prefill computed
+        instead (:meth:`~genlm_backend.llm.runner.PrefixCacheRunner.advance`),
+        and waits for the next step. Runs in the thread that computes (the
+        loop's, the worker, or a synchronous caller's). A model error becomes
+        the value of each request of the batch, so that it fails exactly the
+        calls that waited for them.
         """
         with self.lock:
             if self.is_closed:
@@ -209,6 +217,14 @@ class Engine:
             batch = todo[:1]  # what a failing cost estimate fails
             try:
                 batch = self._within_budget(todo)
+                advance = getattr(self.runner, "advance", None)
+                if (
+                    chunk_tokens is not None
+                    and advance is not None
+                    and advance(batch, chunk_tokens)
+                ):
+                    self.counts["chunks"] += 1
+                    return StepOutcome(found)  # the batch waits for its next chunk
                 found.update(self._compute(batch))
                 return StepOutcome(found)
             except Exception as exc:  # noqa: BLE001 - for the calls of this batch

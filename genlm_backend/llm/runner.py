@@ -69,6 +69,7 @@ class Request:
     adapter: Adapter | None
     context: tuple[int, ...]
     parent: tuple[int, ...] | None
+    _hash: int
 
     def __init__(
         self,
@@ -282,10 +283,8 @@ class PassExecutor(Protocol):
     """Runs one planned pass of a model: the seam between the driver and a backend's model."""
 
     support: ExecutorSupport
-
-    @property
-    def level_policy(self) -> LevelPolicy:
-        """How this executor's passes read cached pieces (read once for many rows, or copied)."""
+    level_policy: LevelPolicy
+    """How this executor's passes read cached pieces (read once for many rows, or copied)."""
 
     def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
         """Run ``plan`` with the model as it is (under ``namespace``'s adapter, active already).
@@ -352,6 +351,50 @@ class PrefixCacheDriver:
         if self.level_policy.enabled and self.prefill_shared(lookups, namespace):
             lookups = self.lookup(contexts, namespace)  # the tree changed: look again
         return self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
+
+    def advance(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable, max_tokens: int
+    ) -> int:
+        """Compute a chunk of at most ``max_tokens`` tokens of what the rows of ``contexts`` need
+        first, if their passes would compute more than ``max_tokens`` tokens: the tokens
+        computed (0 when the rows' passes fit now, and nothing was computed).
+
+        A chunk is the next tokens of the prefixes several contexts share and the
+        tree lacks, or else of each context up to its last token, in order; it
+        enters the tree, so the next chunk, and the rows, continue from it. With
+        ``block_tokens`` levels (exact rows), a chunk of a context that reaches
+        past a block boundary ends at one.
+        """
+        lookups = self.lookup(contexts, namespace)
+        hosts = [lookup for lookup, _ in planner.nest(lookups)]
+        if sum(lookup.num_new for lookup in hosts) <= max_tokens:
+            return 0
+        cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
+        work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
+        if self.level_policy.enabled:
+            rounds = planner.shared_uncached_prefixes(
+                [lookup.context for lookup in hosts], cached, self.level_policy.min_prefill_tokens
+            )
+            work = [(prefix, len(prefix)) for prefix in rounds[0]] if rounds else []
+        if not work:
+            work = [(lookup.context, len(lookup.context) - 1) for lookup in hosts]
+        block = self.level_policy.block_tokens
+        chunks, budget = [], max_tokens
+        for prefix, end in work:
+            start = cached(prefix[:end])
+            take = min(end - start, budget)
+            if take <= 0:
+                continue
+            if block and take < end - start and (start + take) // block > start // block:
+                take -= (start + take) % block  # end the chunk at a block boundary
+            chunks.append(prefix[: start + take])
+            budget -= take
+            if budget <= 0:
+                break
+        if not chunks:  # nothing left before the rows: their passes go as one
+            return 0
+        self.logprobs(chunks, namespace)  # their rows are dropped: the tree keeps the chunk
+        return max_tokens - budget
 
     def lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
         """What the tree holds of each context (its last token always runs: it gives the logits)."""
@@ -494,6 +537,15 @@ class PrefixCacheRunner:
         return self.driver.kv_tree
 
     @property
+    def level_policy(self) -> LevelPolicy:
+        """How the executor's passes read cached pieces (settable: tests and benchmarks try others)."""
+        return self.driver.executor.level_policy
+
+    @level_policy.setter
+    def level_policy(self, policy: LevelPolicy) -> None:
+        self.driver.executor.level_policy = policy
+
+    @property
     def vocab_size(self) -> int:
         return self.driver.vocab_size
 
@@ -544,6 +596,19 @@ class PrefixCacheRunner:
             for i, found in zip(positions, scores):
                 out[i] = found
         return out
+
+    def advance(self, requests: Sequence[Request | ScoreRequest], max_tokens: int) -> int:
+        """Compute a chunk of at most ``max_tokens`` tokens of what ``requests`` need before their
+        rows (a prompt's prefill): the tokens computed, 0 when their passes fit ``max_tokens``
+        (see :meth:`PrefixCacheDriver.advance`). A score request needs its context first."""
+        budget = max_tokens
+        for adapter, positions in group_by_adapter(requests).items():
+            contexts = [requests[i].context for i in positions]
+            with self.adapters.active(adapter):
+                budget -= self.driver.advance(contexts, adapter, budget)
+            if budget <= 0:
+                break
+        return max_tokens - budget
 
     def load_adapter(self, adapter: Adapter) -> None:
         self.adapters.load(adapter)

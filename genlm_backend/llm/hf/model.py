@@ -32,17 +32,13 @@ class AsyncTransformer(AsyncLM):
         batch_size: Most distinct contexts per forward pass; ``None`` (default):
             every waiting context within the ``max_batch_tokens`` budget.
         timeout: Most seconds a request waits for company (``timeout_s`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
-        compute_in_loop: Run batches in the event loop's thread (the default),
-            blocking it while they compute, or in one worker thread (``False``),
-            as a server does; see :mod:`~genlm_backend.llm.engine`. Settable
-            later as ``llm.engine.compute_in_loop``.
         cpu_threads: ``"auto"`` (default): on the CPU, steps adapt their torch
             threads to the cores they get, so that processes sharing a machine
             do not take the cores from one another
-            (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``: fixed.
+            (:class:`~genlm_backend.batching.CpuThreads`); ``None``: fixed.
         deterministic: Reproducible rows and runs (docs/contract.md,
             "Reproducibility"): each row has the bits of its context computed
             alone from an empty cache, whatever shares its batch and whatever
@@ -50,9 +46,10 @@ class AsyncTransformer(AsyncLM):
             the event loop is idle, never on the clock (``timeout`` is ignored);
             calls complete in the order they were made, whatever the cache
             holds and whoever else calls (``rounds`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`); the thread
+            :class:`~genlm_backend.batching.BatchingConfig`); the thread
             count is fixed (``cpu_threads`` is ignored).
-        **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
+        **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options
+            (``compute_in_loop``, ``chunk_tokens``, ...).
 
     Raises:
         ImportError: the installed transformers is not a supported version.
@@ -71,7 +68,6 @@ class AsyncTransformer(AsyncLM):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
-        compute_in_loop: bool = True,
         cpu_threads: str | None = "auto",
         deterministic: bool = False,
         **kwargs,
@@ -95,7 +91,6 @@ class AsyncTransformer(AsyncLM):
         self.runner = HFRunner(
             hf_model.eval(), self.kv_cache, self.vocab_size, deterministic=deterministic
         )
-        self.engine.compute_in_loop = compute_in_loop
 
     @property
     def model(self):

@@ -79,6 +79,8 @@ class HFRunner(PrefixCacheRunner):
             compute itself, or on a device and dtype where rows are not exact.
     """
 
+    adapters: PeftAdapters
+
     def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, deterministic: bool = False):
         check_transformers_version()
         adapters = PeftAdapters(model)
@@ -111,15 +113,6 @@ class HFRunner(PrefixCacheRunner):
     def graphs(self) -> StepGraphs:
         """One-token steps captured as graphs (on CUDA), the rest eager: see :mod:`~genlm_backend.llm.hf.graphs`."""
         return self.executor.graphs
-
-    @property
-    def level_policy(self) -> LevelPolicy:
-        """How passes read cached pieces (settable)."""
-        return self.executor.level_policy
-
-    @level_policy.setter
-    def level_policy(self, policy: LevelPolicy) -> None:
-        self.executor.level_policy = policy
 
     @torch.inference_mode()
     def logprobs(self, contexts, namespace=None) -> torch.Tensor:

@@ -160,15 +160,6 @@ class MlxRunner(PrefixCacheRunner):
     def layout(self) -> KVLayout:
         return self.executor.layout
 
-    @property
-    def level_policy(self) -> LevelPolicy:
-        """When cached pieces are read in place (settable)."""
-        return self.executor.level_policy
-
-    @level_policy.setter
-    def level_policy(self, policy: LevelPolicy) -> None:
-        self.executor.level_policy = policy
-
     def run_uncached(self, request: Request) -> torch.Tensor:
         """Reference: one plain mlx-lm forward over the whole context under its adapter, no cache."""
         with self.adapters.active(request.adapter):
