@@ -624,6 +624,8 @@ class Batcher(Generic[K]):
                 calls.settle(taken, found, self.share)
                 # Values (lent memory, say) live no longer than their callers.
                 del taken, todo, found
+                if len(calls) and self.in_loop:
+                    await asyncio.sleep(0)  # calls left for the next step: the loop runs first
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError(f"this loop's {self.name} queue was closed"))
             raise

@@ -21,6 +21,7 @@ import torch
 from genlm_backend.batching import BatchingConfig, CpuThreads, WaitingCalls
 from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
 from genlm_backend.llm import MockAsyncLM
+from genlm_backend.llm.base import DEFAULT_CHUNK_TOKENS
 from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS
 
 VOCAB = [bytes([b]) for b in range(32)]
@@ -160,7 +161,9 @@ def test_count_and_budget_both_bound_a_step():
 
 async def test_a_burst_of_calls_is_one_step_by_default():
     llm = make_llm()
-    assert llm.batching == BatchingConfig(max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
+    assert llm.batching == BatchingConfig(
+        max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, chunk_tokens=DEFAULT_CHUNK_TOKENS
+    )
     recording = Recording(llm)
     contexts = [(i % 32, i // 32) for i in range(150)]
     rows = await bounded(asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts)))
@@ -506,7 +509,7 @@ def test_short_steps_are_judged_together():
 def test_a_step_in_the_loop_runs_on_its_thread_count_and_gives_the_thread_its_own_back():
     own = torch.get_num_threads()
     llm = make_llm()
-    llm.engine.cpu_threads = CpuThreads(own + 1)
+    llm.engine.batcher.cpu_threads = CpuThreads(own + 1)
     counts = []
     run = llm.runner.run
     llm.runner.run = lambda requests: counts.append(torch.get_num_threads()) or run(requests)
@@ -659,7 +662,7 @@ async def test_in_rounds_a_program_repeats_whatever_else_calls(compute_in_loop):
 
 
 def test_lm_options_map_to_one_config_and_fail_naming_the_field():
-    llm = make_llm(batch_size=5, timeout_s=0.5, max_batch_tokens=None)
+    llm = make_llm(batch_size=5, timeout_s=0.5, max_batch_tokens=None, chunk_tokens=None)
     assert llm.batching == llm.engine.config == BatchingConfig(max_batch_size=5, timeout_s=0.5)
     assert (llm.batch_size, llm.timeout_s) == (5, 0.5)
     with pytest.raises(ValueError, match="max_batch_tokens must be"):
@@ -668,4 +671,8 @@ def test_lm_options_map_to_one_config_and_fail_naming_the_field():
         make_llm(batch_size=0)
     with pytest.raises(ValueError, match="cpu_threads must be"):
         make_llm(cpu_threads=2)
+    with pytest.raises(ValueError, match="chunk_tokens must be"):
+        make_llm(chunk_tokens=0)
+    with pytest.raises(TypeError, match="compute_in_loop must be a bool"):
+        make_llm(compute_in_loop="yes")
     llm.close()
