@@ -96,7 +96,9 @@ def compare(a_path: Path, b_path: Path) -> int:
             (float((rows_a[i] - rows_b[i]).abs().nan_to_num(0.0).max()) for i in differ),
             default=0.0,
         )
-        print(f"{mode}: {len(differ)} of {len(rows_a)} rows differ (largest difference {worst:.3g})")
+        print(
+            f"{mode}: {len(differ)} of {len(rows_a)} rows differ (largest difference {worst:.3g})"
+        )
         status |= bool(differ)
     return status
 

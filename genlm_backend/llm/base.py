@@ -1,9 +1,9 @@
 """The one :class:`AsyncLM`: the contract every backend serves, a thin front on its engine.
 
 A call validates its input and resolves its adapter here, then hands its
-requests to the :class:`~genlm_backend.llm.engine.Engine` (``rows``,
-``scores``; ``rows_now`` and ``scores_now`` for the synchronous calls), which
-batches them with every other waiting call and runs the backend's runner.
+requests to the :class:`~genlm_backend.llm.engine.Engine` (``results``;
+``results_now`` for the synchronous calls), which batches them with every
+other waiting call and runs the backend's runner.
 The adapter is resolved once, at the call, and travels in the request: it is
 part of the engine's, the output cache's and the KV tree's key.
 """
