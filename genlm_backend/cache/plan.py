@@ -317,6 +317,39 @@ def shared_uncached_prefixes(
 # ---------------------------------------------------------------------- a pass's inputs
 
 
+@dataclass(frozen=True)
+class PassInputs:
+    """What an executor hands the model for one pass, read off its plan once.
+
+    Plain lists: an executor makes each one tensor (operations per row would
+    cost a batch of 64 particles hundreds of small operations).
+    """
+
+    tokens: list[list[int]]
+    """Each row's new tokens, ``[B][num_new]``, padded after its own."""
+    positions: list[list[int]]
+    """The positions of each row's new tokens, ``[B][num_new]`` (see :func:`positions`)."""
+    row_starts: list[int]
+    """The slot of each row's first own token in the pass's block (what its mask starts at)."""
+    copies: list[tuple[int, int, Segment]]
+    """``(row, slot, segment)``: each row's own pieces, right-aligned at slot ``num_past`` of
+    a new block (see :meth:`~genlm_backend.cache.kv_block.KVBlock.copy_in`); unused when the
+    pass extends a block in place."""
+    levels: list[tuple[Piece, list[int]]]
+    """The pass's distinct levels, each with the rows that read it (:func:`level_readers`)."""
+
+
+def pass_inputs(plan: PassPlan, max_positions: int) -> PassInputs:
+    """The pass's inputs (``max_positions``: the model's longest sequence)."""
+    return PassInputs(
+        tokens=new_tokens(plan),
+        positions=[positions(row.reused, plan.num_new, max_positions) for row in plan.rows],
+        row_starts=[plan.num_past - row.num_own_past for row in plan.rows],
+        copies=own_part_copies(plan) if plan.extends is None else [],
+        levels=level_readers(plan.rows),
+    )
+
+
 def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
     """``(row, slot, segment)``: each row's own pieces, right-aligned at slot ``plan.num_past``
     of the pass's new block (see :meth:`~genlm_backend.cache.kv_block.KVBlock.copy_in`)."""
@@ -334,29 +367,15 @@ def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
 
 
 def new_tokens(plan: PassPlan) -> list[list[int]]:
-    """Each row's new tokens, ``[B][num_new]``, padded after its own.
-
-    Plain lists: a runner makes them one tensor (operations per row would
-    cost a batch of 64 particles hundreds of small operations).
-    """
+    """Each row's new tokens, ``[B][num_new]``, padded after its own."""
     num_new = plan.num_new
     return [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
-
-
-def new_positions(plan: PassPlan, max_positions: int) -> list[list[int]]:
-    """The positions of each row's new tokens, ``[B][num_new]`` (see :func:`positions`)."""
-    return [positions(row.reused, plan.num_new, max_positions) for row in plan.rows]
 
 
 def positions(first: int, count: int, max_positions: int) -> list[int]:
     """``first, first + 1, ...`` (``count`` of them), held at the model's last position past it (padding)."""
     end = max(first, min(first + count, max_positions))
     return [*range(first, end), *[max_positions - 1] * (first + count - end)]
-
-
-def row_starts(plan: PassPlan) -> list[int]:
-    """The slot of each row's first own token in the pass's block (what its mask starts at)."""
-    return [plan.num_past - row.num_own_past for row in plan.rows]
 
 
 def level_readers(rows: Sequence[RowPlan]) -> list[tuple[Piece, list[int]]]:

@@ -224,16 +224,16 @@ class TransformersExecutor:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
         model = self.model
         device = model.device
-        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
+        inputs = planner.pass_inputs(plan, self.max_positions)
+        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, inputs)
         cache = self.caches(block.layers, plan.num_past)
-        input_ids = torch.tensor(planner.new_tokens(plan)).to(device)  # [B, num_new]
-        positions = planner.new_positions(plan, self.max_positions)
-        position_ids = torch.tensor(positions).to(device)
-        mask = own_part_mask(plan, block.num_slots, model.dtype, device)
+        input_ids = torch.tensor(inputs.tokens).to(device)  # [B, num_new]
+        position_ids = torch.tensor(inputs.positions).to(device)
+        mask = own_part_mask(plan, inputs, block.num_slots, model.dtype, device)
         num_kv_heads = kv_shape(model.config)[0]
         num_groups = model.config.get_text_config(decoder=True).num_attention_heads // num_kv_heads
         attention = self.strategy.attention(
-            plan, cascade_levels(plan, device), num_groups, block.num_slots
+            plan, cascade_levels(plan, inputs, device), num_groups, block.num_slots
         )
         # A one-token step reads each row's only position; a longer pass, the positions of its reads.
         reads = _read_positions(plan, device) if plan.num_new > 1 else None
@@ -259,7 +259,7 @@ class TransformersExecutor:
             logits = output.logits[reads]
         return fit_to_vocab(logits, self.vocab_size), block
 
-    def _block_with_pasts(self, plan: PassPlan) -> KVBlock:
+    def _block_with_pasts(self, plan: PassPlan, inputs: planner.PassInputs) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         model = self.model
         num_past, num_new = plan.num_past, plan.num_new
@@ -278,7 +278,7 @@ class TransformersExecutor:
             pinned=[entry for row in plan.rows for entry, _ in row.levels + row.own],
         )
         block = KVBlock.empty(num_layers, shape, model.dtype, model.device)
-        block.copy_in(planner.own_part_copies(plan))
+        block.copy_in(inputs.copies)
         # Every slot is written above or by the forward pass itself; only the left
         # padding is zeroed (masked, but it must not hold NaN bit patterns), and the
         # spare slots (masked, but read by attention). One operation each for all layers.
@@ -304,18 +304,20 @@ def _read_positions(plan: PassPlan, device: torch.device) -> tuple[torch.Tensor,
     return rows, positions
 
 
-def own_part_mask(plan: PassPlan, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+def own_part_mask(
+    plan: PassPlan, inputs: planner.PassInputs, num_slots: int, dtype: torch.dtype, device
+) -> torch.Tensor:
     """Additive mask ``[B, 1, num_new, num_slots]``: each row sees its own past and its causal new tokens."""
     slots = torch.arange(num_slots)
     queries = torch.arange(plan.num_new)[:, None] + plan.num_past  # slot of each query
-    first = torch.tensor(planner.row_starts(plan))[:, None, None]
+    first = torch.tensor(inputs.row_starts)[:, None, None]
     visible = (slots[None, None, :] >= first) & (slots[None, None, :] <= queries[None])
     mask = torch.zeros(len(plan.rows), 1, plan.num_new, num_slots, dtype=dtype)
     mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
     return mask.to(device)
 
 
-def cascade_levels(plan: PassPlan, device: torch.device) -> list[Level]:
+def cascade_levels(plan: PassPlan, inputs: planner.PassInputs, device: torch.device) -> list[Level]:
     """The pass's distinct levels, each with the rows that read it (``None``: every row)."""
     return [
         Level(
@@ -325,7 +327,7 @@ def cascade_levels(plan: PassPlan, device: torch.device) -> list[Level]:
             n,
             None if len(rows) == len(plan.rows) else torch.tensor(rows, device=device),
         )
-        for (entry, n), rows in planner.level_readers(plan.rows)
+        for (entry, n), rows in inputs.levels
     ]
 
 

@@ -68,16 +68,14 @@ class MlxExecutor:
 
     def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
         """One pass: the log-probabilities of its reads, in order, and the block written."""
-        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
+        given = planner.pass_inputs(plan, 1 << 30)  # MLX takes each row's first position
+        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, given)
         assert isinstance(block, MlxKVBlock), "MLX passes extend MLX blocks"
-        inputs = mx.array(
-            planner.new_tokens(plan)
-        )  # [B, num_new], each row's new tokens first, padding after them
+        inputs = mx.array(given.tokens)  # [B, num_new], each row's new tokens, then padding
         positions = mx.array([row.reused for row in plan.rows], dtype=mx.int32)
-        starts = mx.array(planner.row_starts(plan), dtype=mx.int32)
+        starts = mx.array(given.row_starts, dtype=mx.int32)
         levels = [
-            (piece, None if len(rows) == len(plan.rows) else rows)
-            for piece, rows in planner.level_readers(plan.rows)
+            (piece, None if len(rows) == len(plan.rows) else rows) for piece, rows in given.levels
         ]
         reads = plan.reads  # (output index, row, new-token position)
         picked: list[mx.array] = []
@@ -113,7 +111,7 @@ class MlxExecutor:
                 "scaled_dot_product_attention; this batch failed, later ones copy prefixes per row"
             )
 
-    def _block_with_pasts(self, plan: PassPlan) -> MlxKVBlock:
+    def _block_with_pasts(self, plan: PassPlan, given: planner.PassInputs) -> MlxKVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         num_past, num_new = plan.num_past, plan.num_new
         # One-token steps get spare slots, so the next steps can write in place.
@@ -122,7 +120,7 @@ class MlxExecutor:
         pinned = [entry for row in plan.rows for entry, _ in row.levels + row.own]
         self.kv_tree.reserve(self.layout.nbytes(len(plan.rows), num_slots), pinned=pinned)
         block = MlxKVBlock.zeros(self.layout, len(plan.rows), num_slots)
-        block.copy_in(planner.own_part_copies(plan))
+        block.copy_in(given.copies)
         return block
 
 

@@ -78,7 +78,7 @@ class ExactLayout:
     ) -> ExactLayout:
         b = BLOCK_TOKENS
         num_new = plan.num_new
-        starts = planner.row_starts(plan)
+        starts = [plan.num_past - row.num_own_past for row in plan.rows]
         splits = [row.split for row in plan.rows]
         own_lengths = [row.num_own_past + row.num_new for row in plan.rows]
         num_own_blocks = -(-max(own_lengths) // b)
