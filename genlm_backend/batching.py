@@ -620,12 +620,12 @@ class Batcher(Generic[K]):
                         break  # the rest wait for the next step, with whatever came meanwhile
                     todo = [key for key in todo if key not in found]
                     if todo and self.in_loop:
-                        await asyncio.sleep(0)  # the loop runs between a round's steps
+                        await breathe()  # the loop runs between a round's steps
                 calls.settle(taken, found, self.share)
                 # Values (lent memory, say) live no longer than their callers.
                 del taken, todo, found
                 if len(calls) and self.in_loop:
-                    await asyncio.sleep(0)  # calls left for the next step: the loop runs first
+                    await breathe()  # calls left for the next step: the loop runs first
         except asyncio.CancelledError:
             calls.fail_all(BatcherClosedError(f"this loop's {self.name} queue was closed"))
             raise
@@ -703,6 +703,22 @@ class Batcher(Generic[K]):
         worker = getattr(self, "_worker", None)
         if worker is not None:
             worker.shutdown(wait=False)  # stops the worker thread; nothing to await here
+
+
+async def breathe() -> None:
+    """Let everything the event loop has due run before going on: callbacks of timers that
+    expired and of sockets that became ready while a step held the loop.
+
+    ``asyncio.sleep(0)`` would not do: it puts this task back at the end of the ready
+    queue, ahead of the callbacks that expired timers only put there afterwards, so the
+    next step would start before them. A timer due at once comes after every timer due
+    earlier, and their callbacks run first.
+    """
+    await asyncio.sleep(_BREATH_S)
+
+
+_BREATH_S = 1e-6
+"""A sleep this short ends at the next turn of the loop."""
 
 
 def _fail_and_stop(state: _LoopState, error: BaseException) -> None:

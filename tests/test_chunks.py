@@ -51,6 +51,44 @@ async def test_a_coroutine_scheduled_during_a_long_prefill_runs_before_it_ends()
     llm.close()
 
 
+async def test_a_coroutine_woken_during_a_chunk_runs_before_the_next_chunk():
+    """A timer that comes due while a chunk holds the loop (a ticker, a timeout) fires before
+    the next chunk starts: the loop gets a whole turn between chunks."""
+    llm = tiny_llm(chunk_tokens=32)
+    loop = asyncio.get_running_loop()
+    wake = [loop.create_future()]
+    woken_before: list[int] = []  # at each chunk's start: the wakes that ran before it
+    num_woken = [0]
+    advance = llm.runner.advance
+
+    def chunk(requests, max_tokens):
+        woken_before.append(num_woken[0])
+        computed = advance(requests, max_tokens)
+        if computed:
+            loop.call_later(0, wake[0].set_result, None)  # due at once, fires after this step
+        return computed
+
+    llm.runner.advance = chunk
+
+    async def bystander():
+        while True:
+            await wake[0]
+            wake[0] = loop.create_future()
+            num_woken[0] += 1
+
+    watcher = asyncio.ensure_future(bystander())
+    contexts = first_batch()
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    watcher.cancel()
+    num_chunks = llm.engine.counts["chunks"]
+    assert num_chunks >= 190 // 32
+    # chunk i started after the bystander's wake for each of the i chunks before it
+    assert woken_before[: num_chunks + 1] == list(range(num_chunks + 1)), woken_before
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    llm.close()
+
+
 @pytest.mark.parametrize("compute_in_loop", [True, False])
 async def test_steps_are_cut_only_in_the_loop_s_thread(compute_in_loop):
     llm = tiny_llm(chunk_tokens=32, compute_in_loop=compute_in_loop)
