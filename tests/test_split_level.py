@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import re
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +261,23 @@ def test_runner_rows_behind_split_levels_equal_a_plain_forward(device, split_lev
         for row, context in zip(rows, batch):
             assert_close(row, reference(model, context)[:2000], ATOL)
     assert set(split_levels) == {140, 130}  # the lengths of the levels the kernel read
+
+
+@pytest.mark.skipif(
+    not INTERPRETED or importlib.util.find_spec("triton") is None,
+    reason="the benchmark's CPU smoke run needs Triton's interpreter (TRITON_INTERPRET=1)",
+)
+def test_the_gpu_benchmark_runs_on_the_cpu_and_its_splits_agree(monkeypatch, capsys):
+    """``benchmarks/gpu/bench_split_level.py`` at a tiny size: every way runs, every split within
+    float32 rounding of the unsplit attention."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_split_level.py"
+    bench = runpy.run_path(str(script))
+    argv = "--device cpu --rows 3 --heads 4 2 --head-dim 16 --keys 100 --dtype float32"
+    monkeypatch.setattr(sys, "argv", [str(script), *argv.split(), "--chunk-keys", "32"])
+    bench["main"]()
+    printed = capsys.readouterr().out
+    found = re.search(r"outputs within (\S+), log-sum-exps within (\S+);", printed)
+    assert found is not None, printed
+    assert float(found[1]) < 1e-5 and float(found[2]) < 1e-5
+    for way in ("unsplit", "split (auto)", "split 32 keys"):
+        assert re.search(rf"^S=100 {re.escape(way)}: [\d.]+ us", printed, re.MULTILINE), printed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,7 +49,7 @@ def split_level_attention(
         key: The level's keys, ``[Hkv, S, D]`` (any strides), all visible to every query.
         value: Its values, ``[Hkv, S, D]``.
         scale: Multiplies every score.
-        chunk_keys: Keys a chunk; ``None``: :func:`chunk_keys_for` the device.
+        chunk_keys: Keys a chunk; ``None``: :func:`plan_split`'s choice for the device.
 
     Returns:
         ``[N, Hq, D]`` in ``query``'s dtype and ``[N, Hq]`` float32 log-sum-exps of
@@ -70,41 +71,85 @@ def split_level_attention(
     if num_keys == 0 or num_rows == 0:
         return output.zero_(), lse.fill_(-torch.inf)
     num_groups = num_q_heads // num_kv_heads
-    tiles = _tiles(num_rows * num_groups, head_dim)
-    num_query_blocks = triton.cdiv(num_rows * num_groups, tiles["BM"])
-    if chunk_keys is None:
-        chunk_keys = chunk_keys_for(
-            num_keys, num_query_blocks * num_kv_heads, _num_sms(query.device), tiles["BN"]
-        )
-    if chunk_keys < 1:
-        raise ValueError(f"chunk_keys must be positive, got {chunk_keys}")
-    num_chunks = triton.cdiv(num_keys, chunk_keys)
-    if num_chunks == 1:  # the chunk is the level: its results are the level's
+    split = plan_split(
+        num_rows * num_groups, num_kv_heads, num_keys, head_dim, query.device, chunk_keys
+    )
+    if split.num_chunks == 1:  # the chunk is the level: its results are the level's
         chunk_out, chunk_lse = output[None], lse[None]
     else:
-        chunk_out = query.new_empty(
-            num_chunks, num_rows, num_q_heads, head_dim, dtype=torch.float32
-        )
-        chunk_lse = lse.new_empty(num_chunks, num_rows, num_q_heads)
-    level_chunk[(num_query_blocks, num_kv_heads, num_chunks)](
+        chunk_out = query.new_empty(split.num_chunks, *output.shape, dtype=torch.float32)
+        chunk_lse = lse.new_empty(split.num_chunks, *lse.shape)
+    level_chunk[(split.num_query_blocks, num_kv_heads, split.num_chunks)](
         query, *query.stride(),
         key, *key.stride(),
         value, *value.stride(),
         chunk_out, *chunk_out.stride(),
         chunk_lse, *chunk_lse.stride(),
-        num_rows * num_groups, num_groups, num_keys, chunk_keys, scale * math.log2(math.e),
-        PRECISION=_precision(query.dtype), D=head_dim, **tiles,
+        num_rows * num_groups, num_groups, num_keys, split.chunk_keys, scale * math.log2(math.e),
+        PRECISION=_precision(query.dtype), D=head_dim,
+        BM=split.block_queries, BN=split.block_keys, num_warps=split.num_warps,
     )  # fmt: skip
-    if num_chunks > 1:
+    if split.num_chunks > 1:
         merge_level_chunks[(triton.cdiv(num_rows, MERGE_BLOCK), num_q_heads)](
             chunk_out, *chunk_out.stride(),
             chunk_lse, *chunk_lse.stride(),
             output, *output.stride(),
             lse, *lse.stride(),
-            num_rows, num_chunks,
+            num_rows, split.num_chunks,
             D=head_dim, BM=MERGE_BLOCK,
         )  # fmt: skip
     return output, lse
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one level's read is laid out: programs of ``block_queries`` queries of one key/value
+    head by one chunk of ``chunk_keys`` keys, read ``block_keys`` at a time."""
+
+    block_queries: int
+    block_keys: int
+    num_warps: int
+    num_query_blocks: int
+    """Per key/value head."""
+    chunk_keys: int
+    num_chunks: int
+
+
+def plan_split(
+    num_queries: int,
+    num_kv_heads: int,
+    num_keys: int,
+    head_dim: int,
+    device: torch.device,
+    chunk_keys: int | None = None,
+) -> Split:
+    """The :class:`Split` of ``num_queries`` queries per key/value head over ``num_keys`` keys.
+
+    A program's tile: up to 64 queries (fewer for fewer queries; products take
+    16 or more) by 64 keys a block (32 each for heads of 256, for registers:
+    the float32 accumulator is ``[queries, D]``). ``chunk_keys=None``:
+    :func:`chunk_keys_for` the device's multiprocessors.
+
+    Raises:
+        ValueError: ``chunk_keys < 1``.
+    """
+    block = 64 if head_dim <= 128 else 32
+    block_queries = min(block, max(16, triton.next_power_of_2(num_queries)))
+    num_query_blocks = triton.cdiv(num_queries, block_queries)
+    if chunk_keys is None:
+        chunk_keys = chunk_keys_for(
+            num_keys, num_query_blocks * num_kv_heads, _num_sms(device), block
+        )
+    if chunk_keys < 1:
+        raise ValueError(f"chunk_keys must be positive, got {chunk_keys}")
+    return Split(
+        block_queries=block_queries,
+        block_keys=block,
+        num_warps=4 if head_dim <= 64 else 8,
+        num_query_blocks=num_query_blocks,
+        chunk_keys=chunk_keys,
+        num_chunks=triton.cdiv(num_keys, chunk_keys),
+    )
 
 
 def chunk_keys_for(num_keys: int, num_unsplit_programs: int, num_sms: int, block_keys: int) -> int:
@@ -121,18 +166,6 @@ def chunk_keys_for(num_keys: int, num_unsplit_programs: int, num_sms: int, block
     return triton.cdiv(triton.cdiv(num_keys, num_chunks), block_keys) * block_keys
 
 
-def _tiles(num_queries: int, head_dim: int) -> dict[str, int]:
-    """A program's tile: ``BM`` queries (fewer for a few queries; products take 16 or more)
-    by ``BN`` keys a block, with registers for the float32 accumulator ``[BM, D]``."""
-    block_queries = 64 if head_dim <= 128 else 32
-    block_queries = min(block_queries, max(16, triton.next_power_of_2(num_queries)))
-    return {
-        "BM": block_queries,
-        "BN": 64 if head_dim <= 64 else 32,
-        "num_warps": 4 if head_dim <= 64 else 8,
-    }
-
-
 def _precision(dtype: torch.dtype) -> str | None:
     """float32 products in float32, not tf32 (torch's float32 attention does the same); else the default.
 
@@ -142,6 +175,7 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device``, asked once (before any graph is captured: the warm-up's call)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # Triton's interpreter: one program at a time
