@@ -150,7 +150,7 @@ def test_kernel_equals_the_reference_and_unsplit_attention(device, dtype, chunk_
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize(
     "num_rows, num_q_heads, num_kv_heads, head_dim",
-    [(1, 1, 1, 16), (2, 4, 4, 64), (9, 8, 1, 16), (40, 2, 1, 32)],  # 40 x 2: several query blocks
+    [(1, 1, 1, 16), (2, 4, 4, 64), (9, 8, 2, 16), (40, 2, 1, 32)],  # 40 x 2: several query blocks
 )
 def test_kernel_serves_grouped_heads_and_strided_views(
     device, num_rows, num_q_heads, num_kv_heads, head_dim
@@ -244,17 +244,17 @@ def test_cascade_attention_with_split_levels_equals_attention_over_the_concatena
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_runner_rows_behind_split_levels_equal_a_plain_forward(device, split_levels):
-    """The runner's rows behind a cached prompt and a longer context after it (two levels: every
-    row reads the prompt, half of them the rest), in a one-token step and a longer pass,
+    """The runner's rows behind a cached prompt and two continuations of it (nested levels: every
+    row reads the prompt, two rows one continuation), in a one-token step and a longer pass,
     against an uncached forward."""
     model = build_tiny_llama(2000).to(device)
     runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
     rng = random.Random(5)
     prompt = [rng.randrange(2000) for _ in range(140)]
-    longer = [*prompt, *(rng.randrange(2000) for _ in range(130))]
+    longer, other = ([*prompt, *(rng.randrange(2000) for _ in range(130))] for _ in range(2))
     runner.logprobs([tuple(prompt)])
-    runner.logprobs([tuple(longer)])  # held as the prompt's child: two levels of 140 and 130
-    step = [[*prompt, 7], [*prompt, 8], [*longer, 11], [*longer, 12]]
+    runner.logprobs([tuple(longer), tuple(other)])  # behind the prompt, read as a level
+    step = [[*prompt, 7], [*longer, 11], [*longer, 12], [*other, 13]]
     longer_pass = [[*prompt, 8, 9, 10], [*longer, *(rng.randrange(2000) for _ in range(20))]]
     for batch in (step, longer_pass):
         rows = runner.logprobs([tuple(context) for context in batch])
