@@ -23,6 +23,7 @@ import torch
 
 from genlm_backend.cache.kv_block import KVBlock
 from genlm_backend.cache.kv_tree import KVPrefixTree
+from genlm_backend.cache.plan import LevelPolicy
 from genlm_backend.llm.hf import split_level
 from genlm_backend.llm.hf.attention import Cascade, Level, cascade_attention
 from genlm_backend.llm.hf.runner import HFRunner
@@ -130,10 +131,10 @@ def test_the_split_kernel_runs_on_cuda_only_for_head_sizes_its_tiles_fit():
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunk_keys", [None, 1000, 64, 40, 7])  # None: the device's choice
+@pytest.mark.parametrize("chunk_keys", [None, 100, 64, 40, 16])  # None: the device's choice
 def test_kernel_equals_the_reference_and_unsplit_attention(device, dtype, chunk_keys):
     """3 rows x 8 query heads over 2 key/value heads, 100 keys: one chunk, chunks of whole key
-    blocks and a ragged last one, chunks that end inside a block, 15 chunks."""
+    blocks and a ragged last one, chunks that end inside a block, 7 chunks."""
     from genlm_backend.llm.hf.split_level_fused import split_level_attention
 
     query, key, value = level_inputs(3, 8, 2, 100, 32, dtype, device)
@@ -188,22 +189,23 @@ def test_kernel_over_no_keys_or_no_queries(device):
 
 
 @pytest.fixture
-def split_levels(monkeypatch, request):
-    """Levels read by the split kernel on this device (on the CPU: under the interpreter), every
-    call counted; the test fails if none ran."""
+def split_levels(monkeypatch):
+    """Levels read by the split kernel on this device (on the CPU: under the interpreter), in
+    chunks of 32 keys (several, the last one ragged, merged), each call's level length recorded;
+    the test fails if none ran."""
     from genlm_backend.llm.hf import split_level_fused
 
-    calls = []
+    lengths = []
     kernel = split_level_fused.split_level_attention
 
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape[1])  # the level's length
-        return kernel(*args, **kwargs)
+    def in_chunks(query, key, value, scale):
+        lengths.append(key.shape[1])
+        return kernel(query, key, value, scale, chunk_keys=32)
 
     monkeypatch.setattr(split_level, "uses_split_kernel", lambda device, head_dim: True)
-    monkeypatch.setattr(split_level_fused, "split_level_attention", counted)
-    yield calls
-    assert calls, "the split kernel never ran"
+    monkeypatch.setattr(split_level_fused, "split_level_attention", in_chunks)
+    yield lengths
+    assert lengths, "the split kernel never ran"
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -249,9 +251,10 @@ def test_runner_rows_behind_split_levels_equal_a_plain_forward(device, split_lev
     against an uncached forward."""
     model = build_tiny_llama(2000).to(device)
     runner = HFRunner(model, KVPrefixTree(1 << 30), 2000)
+    runner.level_policy = LevelPolicy(min_shared_tokens=32)  # levels from 32 tokens: short ones
     rng = random.Random(5)
-    prompt = [rng.randrange(2000) for _ in range(140)]
-    longer, other = ([*prompt, *(rng.randrange(2000) for _ in range(130))] for _ in range(2))
+    prompt = [rng.randrange(2000) for _ in range(50)]
+    longer, other = ([*prompt, *(rng.randrange(2000) for _ in range(40))] for _ in range(2))
     runner.logprobs([tuple(prompt)])
     runner.logprobs([tuple(longer), tuple(other)])  # behind the prompt, read as a level
     step = [[*prompt, 7], [*longer, 11], [*longer, 12], [*other, 13]]
@@ -260,7 +263,7 @@ def test_runner_rows_behind_split_levels_equal_a_plain_forward(device, split_lev
         rows = runner.logprobs([tuple(context) for context in batch])
         for row, context in zip(rows, batch):
             assert_close(row, reference(model, context)[:2000], ATOL)
-    assert set(split_levels) == {140, 130}  # the lengths of the levels the kernel read
+    assert set(split_levels) == {50, 40}  # the lengths of the levels the kernel read
 
 
 @pytest.mark.skipif(

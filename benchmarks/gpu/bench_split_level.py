@@ -137,8 +137,8 @@ def differences(ways, num_rows, num_kv_heads, num_groups, head_dim) -> str:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes a second a copy of 1 GiB (CUDA; 64 MiB on the CPU) reads plus writes: the floor's rate."""
-    num_bytes = 1 << 30 if device.type == "cuda" else 1 << 26
+    """Bytes a second a copy of 1 GiB (CUDA; 16 MiB on the CPU) reads plus writes: the floor's rate."""
+    num_bytes = 1 << 30 if device.type == "cuda" else 1 << 24
     source = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     target = torch.empty_like(source)
     return 2 * num_bytes / time_of(lambda: target.copy_(source), device, graphs=False)
