@@ -29,8 +29,8 @@ row per query) costs a write and a read, so a chunk must carry many more keys th
 PROGRAMS_PER_SM = 2
 """Programs :func:`chunk_keys_for` aims at per multiprocessor: two to overlap one's loads with another's products."""
 
-MERGE_BLOCK = 16
-"""Queries (of one head) a merge program holds."""
+MERGE_BLOCK = 64
+"""(Row, query head) pairs a merge program holds: ``MERGE_BLOCK * D`` float32 a chunk."""
 
 
 def split_level_attention(
@@ -90,12 +90,12 @@ def split_level_attention(
         BM=split.block_queries, BN=split.block_keys, num_warps=split.num_warps,
     )  # fmt: skip
     if split.num_chunks > 1:
-        merge_level_chunks[(triton.cdiv(num_rows, MERGE_BLOCK), num_q_heads)](
+        merge_level_chunks[(triton.cdiv(num_rows * num_q_heads, MERGE_BLOCK),)](
             chunk_out, *chunk_out.stride(),
             chunk_lse, *chunk_lse.stride(),
             output, *output.stride(),
             lse, *lse.stride(),
-            num_rows, split.num_chunks,
+            num_rows * num_q_heads, num_q_heads, split.num_chunks,
             D=head_dim, BM=MERGE_BLOCK,
         )  # fmt: skip
     return output, lse
@@ -243,31 +243,32 @@ def merge_level_chunks(
     PART_LSE, slc, sln, slh,
     OUT, son, soh, sod,
     LSE, sn, sh,
-    num_rows, num_chunks,
+    num_pairs, num_heads, num_chunks,
     D: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    # BM rows of one query head: their chunks folded in order, each weighed by its share of the mass.
-    head = tl.program_id(1)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    valid = rows < num_rows
+    # BM (row, query head) pairs: their chunks folded in order, each weighed by its share of the mass.
+    pairs = tl.program_id(0) * BM + tl.arange(0, BM)
+    valid = pairs < num_pairs
+    rows = pairs // num_heads
+    heads = pairs % num_heads
     dims = tl.arange(0, D)
     top = tl.full([BM], float("-inf"), tl.float32)
     total = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     for chunk in range(num_chunks):
-        lse = tl.load(PART_LSE + chunk * slc + rows * sln + head * slh, mask=valid, other=0.0)
+        lse = tl.load(PART_LSE + chunk * slc + rows * sln + heads * slh, mask=valid, other=0.0)
         part = tl.load(
-            PART + chunk * spc + rows[:, None] * spn + head * sph + dims[None, :] * spd,
+            PART + chunk * spc + rows[:, None] * spn + heads[:, None] * sph + dims[None, :] * spd,
             mask=valid[:, None], other=0.0,
         )  # fmt: skip
         new_top = tl.maximum(top, lse)
         weight = tl.exp(lse - new_top)
-        rescale = tl.exp(top - new_top)
+        rescale = tl.exp(top - new_top)  # 0 for the first chunk (top is -inf)
         total = total * rescale + weight
         acc = acc * rescale[:, None] + weight[:, None] * part
         top = new_top
     tl.store(
-        OUT + rows[:, None] * son + head * soh + dims[None, :] * sod,
+        OUT + rows[:, None] * son + heads[:, None] * soh + dims[None, :] * sod,
         (acc / total[:, None]).to(OUT.dtype.element_ty), mask=valid[:, None],
     )  # fmt: skip
-    tl.store(LSE + rows * sn + head * sh, top + tl.log(total), mask=valid)
+    tl.store(LSE + rows * sn + heads * sh, top + tl.log(total), mask=valid)
