@@ -126,6 +126,23 @@ def test_the_split_kernel_runs_on_cuda_only_for_head_sizes_its_tiles_fit():
     assert not split_level.uses_split_kernel(torch.device("cpu"), 64)  # torch's CPU kernel stays
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton installed")
+def test_chunks_fill_the_device_and_no_chunk_is_short():
+    """The automatic chunking: about two programs per multiprocessor, chunks of 256 keys or more
+    in whole blocks, no split where the unsplit programs fill the device or the level is short."""
+    from genlm_backend.llm.hf.split_level_fused import chunk_keys_for, splits
+
+    # 64 rows x 4 grouped heads = 256 queries per key/value head: 4 blocks x 8 heads = 32 programs
+    assert chunk_keys_for(4096, 32, 132, 64) == 512  # 8 chunks, 256 programs on 132 SMs
+    assert chunk_keys_for(16384, 32, 132, 64) == 1856  # 9 chunks (the last one ragged)
+    assert chunk_keys_for(1024, 32, 132, 64) == 256  # 4 chunks: none shorter than 256 keys
+    assert chunk_keys_for(300, 32, 132, 64) == 320  # one chunk
+    assert chunk_keys_for(4096, 512, 132, 64) == 4096  # one chunk: 512 programs already
+    assert not splits(
+        256, 8, 4096, 128, torch.device("cpu")
+    )  # the interpreter: one program at a time
+
+
 # ----------------------------------------------------------------------- the kernels
 
 
@@ -203,6 +220,7 @@ def split_levels(monkeypatch):
         return kernel(query, key, value, scale, chunk_keys=32)
 
     monkeypatch.setattr(split_level, "uses_split_kernel", lambda device, head_dim: True)
+    monkeypatch.setattr(split_level_fused, "splits", lambda *shape: True)
     monkeypatch.setattr(split_level_fused, "split_level_attention", in_chunks)
     yield lengths
     assert lengths, "the split kernel never ran"

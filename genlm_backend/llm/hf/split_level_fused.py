@@ -152,6 +152,14 @@ def plan_split(
     )
 
 
+def splits(
+    num_queries: int, num_kv_heads: int, num_keys: int, head_dim: int, device: torch.device
+) -> bool:
+    """Whether :func:`plan_split` splits this level into chunks on ``device`` (else one flash
+    call, whose programs already fill the device or whose level is short, does as well)."""
+    return plan_split(num_queries, num_kv_heads, num_keys, head_dim, device).num_chunks > 1
+
+
 def chunk_keys_for(num_keys: int, num_unsplit_programs: int, num_sms: int, block_keys: int) -> int:
     """Keys a chunk, so that the chunks' programs fill the device.
 
