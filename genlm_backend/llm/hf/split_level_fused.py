@@ -42,7 +42,7 @@ def split_level_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` over one level, its keys split into chunks read by their own programs.
 
-    The function of :func:`~genlm_backend.llm.hf.split_level.split_level_reference`:
+    The function of :func:`~genlm_backend.llm.hf.split_level.split_level_reference`, in two kernels.
 
     Args:
         query: ``[N, Hq, D]`` (any strides); query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
