@@ -8,7 +8,8 @@ timed with CUDA graphs replayed (``triton.testing.do_bench_cudagraph``):
 * ``unsplit``: what the runner did before the split (one flash call, queries
   ``[1, Hkv, R * g, D]``: ``attention.prefix_attention_with_lse``);
 * ``split``: :func:`genlm_backend.llm.hf.split_level_fused.split_level_attention`
-  with its own choice of chunk (the runner's path on CUDA), then with each
+  with its own choice of chunk (the runner's path on CUDA where that choice is
+  several chunks; with one, the runner keeps the unsplit call), then with each
   ``--chunk-keys`` given;
 * ``floor``: the bytes the read cannot skip (the level's keys and values, the
   queries, the outputs and log-sum-exps) at the device-to-device copy
