@@ -181,25 +181,22 @@ async def test_a_particle_s_row_is_a_view_of_its_step_s_output():
     llm.close()
 
 
-@pytest.mark.parametrize("output_cache_bytes", [0, 1 << 20])
-async def test_rows_a_runner_lends_are_copied_once_per_step(output_cache_bytes):
-    llm = make_llm(output_cache_bytes=output_cache_bytes, lent_rows=True)
+async def test_a_cache_of_copies_lets_the_runner_output_go_with_its_callers():
+    """``output_cache_views=False`` (a client of a server, whose rows are lent memory): the
+    callers hold the runner's output, the cache copies of its rows."""
+    llm = make_llm(output_cache_views=False)
     outputs = record_runner_outputs(llm)
     contexts = [[1, 2], [1, 3], [4]]
     batch = await llm.batch_next_token_logprobs(contexts)
-    row = await llm.next_token_logprobs([9])
-    assert batch.data_ptr() != outputs[0].data_ptr()
-    assert row.untyped_storage().data_ptr() != outputs[1].untyped_storage().data_ptr()
-    for output in outputs:
-        output.fill_(0.0)  # the runner reuses its memory
-    expected = torch.stack([reference(context) for context in contexts])
-    torch.testing.assert_close(batch, expected, atol=TOL, rtol=0)
-    torch.testing.assert_close(row, reference([9]), atol=TOL, rtol=0)
+    assert batch.data_ptr() == outputs[0].data_ptr()  # the callers' rows: no copy
+    held = llm.output_cache.get(Request(None, (1, 3)))
+    assert held.untyped_storage().data_ptr() != outputs[0].data_ptr()  # the cache's own copy
+    outputs[0].fill_(0.0)  # whatever becomes of the runner's output, the cache's rows stay
     for context in contexts:
         torch.testing.assert_close(
             await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
         )
-    assert llm.stats.num_output_cache_hits == (3 if output_cache_bytes else 0)
+    assert llm.stats.num_output_cache_hits == 3
     llm.close()
 
 

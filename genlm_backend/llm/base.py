@@ -104,9 +104,10 @@ class AsyncLM:
         cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
             they get (:class:`~genlm_backend.batching.CpuThreads`); ``None``:
             steps keep the thread's own count.
-        lent_rows: The runner's output is memory it lends and reuses (a server's
-            shared memory): each step copies it once for its callers and the
-            output cache.
+        output_cache_views: The output cache holds each step's output itself (no
+            copy; see :class:`~genlm_backend.cache.output.OutputCache`); ``False``:
+            compact copies of its rows, for runners whose output is memory lent
+            until the callers let go of it (``RemoteLM``'s shared-memory regions).
     """
 
     def __init__(
@@ -126,7 +127,7 @@ class AsyncLM:
         byte_vocab: Sequence[bytes] | None = None,
         str_vocab: Sequence[str] | None = None,
         cpu_threads: str | None = None,
-        lent_rows: bool = False,
+        output_cache_views: bool = True,
     ):
         self.batching = BatchingConfig(
             max_batch_size=batch_size,
@@ -154,10 +155,9 @@ class AsyncLM:
             threads = CpuThreads(torch.get_num_threads())
         self.engine = Engine(
             self.batching,
-            OutputCache(output_cache_bytes, keep_views=True),
+            OutputCache(output_cache_bytes, keep_views=output_cache_views),
             owner=type(self).__name__,
             cpu_threads=threads,
-            lent_rows=lent_rows,
         )
         self.engine.compute_in_loop = compute_in_loop
         """Where every call's requests go: see :class:`~genlm_backend.llm.engine.Engine`."""
@@ -326,8 +326,8 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        (row,) = await self.engine.results((self.request(token_ids, lora_name),))
-        return row
+        values = await self.engine.results((self.request(token_ids, lora_name),))
+        return values.pop()  # the future keeps its list until the loop's turn ends: not the row
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -337,7 +337,10 @@ class AsyncLM:
         Every context is validated before any is computed.
         """
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        return as_block(await self.engine.results(requests))
+        rows = await self.engine.results(requests)
+        block = as_block(rows)
+        rows.clear()  # the future keeps its list until the loop's turn ends: not the rows
+        return block
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None

@@ -70,8 +70,6 @@ class Engine:
         output_cache: Result rows by request; it holds views of each step's rows.
         owner: The backend's class name, for error messages.
         cpu_threads: Adapts the intra-op threads of CPU steps (``None``: fixed).
-        lent_rows: The runner's output is memory it lends (and reuses): each
-            step copies it once, and callers and the cache get that copy.
     """
 
     runner: Runner
@@ -84,14 +82,12 @@ class Engine:
         *,
         owner: str,
         cpu_threads: CpuThreads | None = None,
-        lent_rows: bool = False,
     ):
         self.output_cache = output_cache
         self.adapters = AdapterRegistry()
         self.lock = threading.Lock()
         """Held by every model call and every change of the runner's state."""
         self.is_closed = False
-        self.lent_rows = lent_rows
         self._owner = owner
         self._is_released = False
         self.batcher: Batcher[Key] = Batcher(
@@ -280,9 +276,9 @@ class Engine:
 
     def _fresh(self, block: torch.Tensor) -> torch.Tensor:
         """``block`` as a tensor the step's callers may hold and change: itself, unless the
-        runner lends it or made it in inference mode (whose tensors refuse later writes and
-        keep no version counter): then one copy."""
-        if self.lent_rows or block.is_inference():
+        runner made it in inference mode (whose tensors refuse later writes and keep no
+        version counter): then one copy."""
+        if block.is_inference():
             with torch.inference_mode(False):
                 return block.clone()
         return block

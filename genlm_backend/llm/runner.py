@@ -160,7 +160,9 @@ class Runner(Protocol):
         """Next-token log-probabilities of each (distinct) request.
 
         Returns:
-            ``float32`` ``[len(requests), vocab_size]``, normalized per row, on the backend's device.
+            ``float32`` ``[len(requests), vocab_size]``, normalized per row, on the backend's
+            device: a fresh tensor (no other holder; its rows go to the callers as views),
+            not an inference tensor (callers may write to their rows).
 
         Raises:
             ValueError: a request's adapter is not (or no longer) loaded.
