@@ -9,7 +9,6 @@ process's ``/proc/PID/maps`` (mappings, which hold the memory).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import gc
