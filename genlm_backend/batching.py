@@ -82,10 +82,10 @@ class BatchingConfig:
         flush_on_idle: Take the waiting calls as soon as a full event-loop pass added none.
         rounds: Settle the calls taken together at once, in the order they
             were made, cached ones included (see above).
-        chunk_tokens: Most tokens a step computes while the event loop waits for
-            it (a step in the loop's thread): longer work, a prompt's prefill,
-            goes in chunks of this many tokens, the loop running between them;
-            ``None``: a step computes its whole batch at once.
+        chunk_tokens: Most tokens of one context's prefill a step computes while
+            the event loop waits for it (a step in the loop's thread): a longer
+            prefill (a prompt's) goes in chunks of this many tokens, the loop
+            running between them; ``None``: a step computes its whole batch.
 
     Raises:
         TypeError: a limit that is not an int or ``None``, a ``timeout_s`` that

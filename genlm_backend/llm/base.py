@@ -93,10 +93,11 @@ class AsyncLM:
             for at most a chunk at a time; ``False``: in one worker thread, the
             loop free meanwhile (for applications that serve other work on
             the loop). Settable later as ``llm.engine.compute_in_loop``.
-        chunk_tokens: Most tokens a step in the loop's thread computes at once:
-            a longer prefill goes in chunks of this many tokens, the loop
-            running between them (``None``: whole batches). Steps in a worker
-            thread are not cut.
+        chunk_tokens: Most tokens of one prefill a step in the loop's thread
+            computes at once: a longer prefill (a prompt's, a long context's)
+            goes in chunks of this many tokens, the loop running between them
+            (``None``: whole batches). Many short rows (particles' steps) are
+            one pass whatever their total; steps in a worker thread are not cut.
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
         byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.

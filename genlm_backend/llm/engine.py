@@ -193,10 +193,10 @@ class Engine:
         """The values of the first of the distinct requests ``todo`` that one step holds.
 
         Rows the output cache holds come first (copies), then a batch within
-        the budget is computed; with ``chunk_tokens``, a batch that would
-        compute more (a prompt's prefill) gets a chunk of its prefill computed
-        instead (:meth:`~genlm_backend.llm.runner.PrefixCacheRunner.advance`),
-        and waits for the next step. Runs in the thread that computes (the
+        the budget is computed; with ``chunk_tokens``, a batch whose contexts
+        need a longer prefill (a prompt's) gets a chunk of it computed instead
+        (:meth:`~genlm_backend.llm.runner.PrefixCacheRunner.advance`), and
+        waits for the next step. Runs in the thread that computes (the
         loop's, the worker, or a synchronous caller's). A model error becomes
         the value of each request of the batch, so that it fails exactly the
         calls that waited for them.

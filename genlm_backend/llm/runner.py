@@ -357,29 +357,31 @@ class PrefixCacheDriver:
     def advance(
         self, contexts: Sequence[tuple[int, ...]], namespace: Hashable, max_tokens: int
     ) -> int:
-        """Compute a chunk of at most ``max_tokens`` tokens of what the rows of ``contexts`` need
-        first, if their passes would compute more than ``max_tokens`` tokens: the tokens
-        computed (0 when the rows' passes fit now, and nothing was computed).
+        """Compute a chunk of at most ``max_tokens`` tokens of the long prefills among
+        ``contexts``: the tokens computed (0 when no context's row has more than
+        ``max_tokens`` tokens to compute, and nothing was computed).
 
-        A chunk is the next tokens of the prefixes several contexts share and the
-        tree lacks, or else of each context up to its last token, in order; it
-        enters the tree, so the next chunk, and the rows, continue from it. With
-        ``block_tokens`` levels (exact rows), a chunk of a context that reaches
-        past a block boundary ends at one.
+        A chunk is the next tokens of the prefixes several long contexts share
+        and the tree lacks, or else of each long context up to its last token,
+        in order; it enters the tree, so the next chunk, and the rows, continue
+        from it. Short contexts are left to the rows' pass: many rows of a few
+        tokens (particles' steps) are one cheap pass, not a long one. With
+        ``block_tokens`` levels (exact rows), a chunk that reaches past a block
+        boundary ends at one.
         """
-        lookups = self.lookup(contexts, namespace)
-        hosts = [lookup for lookup, _ in planner.nest(lookups)]
-        if sum(lookup.num_new for lookup in hosts) <= max_tokens:
+        hosts = [lookup for lookup, _ in planner.nest(self.lookup(contexts, namespace))]
+        long = [lookup.context for lookup in hosts if lookup.num_new > max_tokens]
+        if not long:
             return 0
         cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
         work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
         if self.level_policy.enabled:
             rounds = planner.shared_uncached_prefixes(
-                [lookup.context for lookup in hosts], cached, self.level_policy.min_prefill_tokens
+                long, cached, self.level_policy.min_prefill_tokens
             )
             work = [(prefix, len(prefix)) for prefix in rounds[0]] if rounds else []
         if not work:
-            work = [(lookup.context, len(lookup.context) - 1) for lookup in hosts]
+            work = [(context, len(context) - 1) for context in long]
         block = self.level_policy.block_tokens
         chunks, budget = [], max_tokens
         for prefix, end in work:
@@ -393,7 +395,7 @@ class PrefixCacheDriver:
             budget -= take
             if budget <= 0:
                 break
-        if not chunks:  # nothing left before the rows: their passes go as one
+        if not chunks:
             return 0
         self.logprobs(chunks, namespace)  # their rows are dropped: the tree keeps the chunk
         return max_tokens - budget
@@ -600,9 +602,10 @@ class PrefixCacheRunner:
         return out
 
     def advance(self, requests: Sequence[Request | ScoreRequest], max_tokens: int) -> int:
-        """Compute a chunk of at most ``max_tokens`` tokens of what ``requests`` need before their
-        rows (a prompt's prefill): the tokens computed, 0 when their passes fit ``max_tokens``
-        (see :meth:`PrefixCacheDriver.advance`). A score request needs its context first."""
+        """Compute a chunk of at most ``max_tokens`` tokens of the long prefills ``requests``
+        need before their rows (a prompt's): the tokens computed, 0 when none has more than
+        ``max_tokens`` tokens to compute (see :meth:`PrefixCacheDriver.advance`). A score
+        request's context comes first."""
         budget = max_tokens
         for adapter, positions in group_by_adapter(requests).items():
             contexts = [requests[i].context for i in positions]
