@@ -150,7 +150,10 @@ def measure(runs: int) -> dict:
     variants = forwards(model)
     outputs = {}
     for name, forward in variants.items():  # warm-up: compiles, first-call allocations
-        outputs[name] = (time_decode(forward, model, prompt_ids)[1], time_prefill(forward, model, prefill_ids)[1])
+        outputs[name] = (
+            time_decode(forward, model, prompt_ids)[1],
+            time_prefill(forward, model, prefill_ids)[1],
+        )
     agreement = {
         name: max((out - ref).abs().max().item() for out, ref in zip(outputs[name], outputs["hf"]))
         for name in variants
@@ -167,7 +170,9 @@ def measure(runs: int) -> dict:
         result["parts"][part] = {
             name: {
                 "median_s": statistics.median(seconds[name, part]),
-                "median_ratio_to_hf": statistics.median(a / b for a, b in zip(seconds[name, part], hf)),
+                "median_ratio_to_hf": statistics.median(
+                    a / b for a, b in zip(seconds[name, part], hf)
+                ),
             }
             for name in variants
         }

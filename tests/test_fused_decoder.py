@@ -265,7 +265,10 @@ def test_the_model_and_the_decoder_hold_one_copy_of_the_weights():
             offset = 0
             for projection in projections:
                 assert projection.weight.data_ptr() == matrix[offset:].data_ptr()
-                assert projection.weight.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
+                assert (
+                    projection.weight.untyped_storage().data_ptr()
+                    == matrix.untyped_storage().data_ptr()
+                )
                 offset += projection.weight.shape[0]
         assert attention.q_proj.bias.data_ptr() == fused.qkv_bias.data_ptr()
         assert attention.o_proj.weight.data_ptr() == fused.o.data_ptr()
@@ -280,7 +283,11 @@ def test_without_shared_storage_the_model_is_untouched():
     addresses = {name: p.data_ptr() for name, p in model.named_parameters()}
     decoder = FusedDecoder.of(model, compiled=False, share_storage=False)
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == addresses
-    fused = [t for layer in decoder.weights.layers for t in (layer.qkv, layer.gate_up, layer.gate_up_bias)]
+    fused = [
+        t
+        for layer in decoder.weights.layers
+        for t in (layer.qkv, layer.gate_up, layer.gate_up_bias)
+    ]
     assert decoder.added_nbytes == sum(t.numel() * t.element_size() for t in fused)
     assert decoder.weights.head.data_ptr() == model.lm_head.weight.data_ptr()
 
@@ -293,7 +300,7 @@ def test_the_sliding_window_is_reported_for_the_caller_to_keep_within():
 def test_other_architectures_are_refused_by_name():
     from tests.conftest import build_tiny_gpt2
 
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*model_type 'gpt2'") as error:
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*model_type 'gpt2'") as error:
         FusedDecoder.of(build_tiny_gpt2(VOCAB))
     assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
 
@@ -309,7 +316,7 @@ def test_other_activations_and_layers_are_refused():
 
     model = build("llama")
     model.model.layers[1].self_attn.k_proj = Adapted(128, 64)
-    with pytest.raises(ValueError, match="k_proj is .*Adapted"):
+    with pytest.raises(ValueError, match=r"k_proj is .*Adapted"):
         FusedDecoder.of(model)
 
 

@@ -15,6 +15,7 @@ and length, 1 included: a pass of new shape never recompiles.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ class FusedDecoder:
         self.attention_window = attention_window
         self.added_nbytes = weights.added_nbytes
         self.compiled = compiled
-        functions = (first_layer, between_layers, last_layer_logits)
+        functions: tuple[Callable[..., Any], ...] = (first_layer, between_layers, last_layer_logits)
         if compiled:
             functions = tuple(torch.compile(f, fullgraph=True) for f in functions)
         self._first, self._between, self._last = functions
@@ -112,6 +113,8 @@ class FusedDecoder:
             reads: ``(rows, positions)``, two ``[R]`` int64 tensors: the logits
                 returned are those of the new tokens ``(rows[i], positions[i])``, in
                 that order. ``None``: the last new token of every row (``R = B``).
+                Their values are not checked against ``B`` and ``T`` (that would wait
+                for the device): an index out of range fails in the indexing kernel.
 
         Raises:
             ValueError: the inputs' shapes, dtypes or device are not as above, or
@@ -120,7 +123,8 @@ class FusedDecoder:
         batch, length = self._check(input_ids, position_ids, reads)
         cos, sin = self._rotary(self.weights.embed, position_ids)  # [B, T, D] each
         cos, sin = cos.reshape(-1, self.head_dim), sin.reshape(-1, self.head_dim)
-        tokens, flat_reads = input_ids.reshape(-1), self._flat_reads(reads, batch, length, input_ids.device)
+        tokens = input_ids.reshape(-1)
+        flat_reads = self._flat_reads(reads, batch, length, input_ids.device)
         layers = self.weights.layers
         self._mark_tokens(tokens, cos, sin)
         shape = (self.num_heads, self.num_kv_heads, self.weights.eps)
@@ -132,17 +136,19 @@ class FusedDecoder:
             self._mark_tokens(out, residual)
             if index + 1 < self.num_layers:
                 next_layer = layers[index + 1]
-                q, k, v, residual = self._between(out, residual, layer, next_layer, cos, sin, *shape)
+                q, k, v, residual = self._between(
+                    out, residual, layer, next_layer, cos, sin, *shape
+                )
         self._mark_reads(flat_reads)
         weights = self.weights
         head = (weights.final_norm, weights.head, weights.head_bias, weights.eps)
         return self._last(out, residual, flat_reads, layer, *head)
 
     def _check(self, input_ids, position_ids, reads) -> tuple[int, int]:
+        """``(B, T)`` of well-formed inputs (see :meth:`__call__`'s ``Raises``)."""
         device = self.weights.embed.device
         for name, ids in (("input_ids", input_ids), ("position_ids", position_ids)):
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
-                raise ValueError(f"{name} must be a [B, T] int64 tensor, got {_describe(ids)}")
+            _check_index(ids, 2, f"{name} must be a [B, T] int64 tensor")
             if ids.device != device:
                 raise ValueError(f"{name} is on {ids.device}; the weights are on {device}")
         if position_ids.shape != input_ids.shape or input_ids.numel() == 0:
@@ -152,9 +158,8 @@ class FusedDecoder:
             )
         if reads is not None:
             rows, positions = reads
-            for name, index in (("rows", rows), ("positions", positions)):
-                if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype != torch.int64:
-                    raise ValueError(f"reads' {name} must be an [R] int64 tensor, got {_describe(index)}")
+            _check_index(rows, 1, "reads' rows must be an [R] int64 tensor")
+            _check_index(positions, 1, "reads' positions must be an [R] int64 tensor")
             if rows.shape != positions.shape or rows.numel() == 0 or rows.device != device:
                 raise ValueError(
                     f"reads must be two non-empty [R] tensors of one length on {device}, got "
@@ -172,7 +177,11 @@ class FusedDecoder:
 
     def _attention_output(self, out, batch: int, length: int) -> torch.Tensor:
         width = self.num_heads * self.head_dim
-        if not isinstance(out, torch.Tensor) or tuple(out.shape[:2]) != (batch, length) or out.numel() != batch * length * width:
+        if (
+            not isinstance(out, torch.Tensor)
+            or tuple(out.shape[:2]) != (batch, length)
+            or out.numel() != batch * length * width
+        ):
             raise ValueError(
                 f"attend must return [B, T, Hq, D] or [B, T, Hq * D] = [{batch}, {length}, "
                 f"{self.num_heads}, {self.head_dim}]; it returned {_describe(out)}"
@@ -188,6 +197,11 @@ class FusedDecoder:
     def _mark_reads(self, reads: torch.Tensor) -> None:
         if self.compiled:
             torch._dynamo.decorators.mark_unbacked(reads, 0, shape_id="reads")
+
+
+def _check_index(value, dim: int, requirement: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != dim or value.dtype != torch.int64:
+        raise ValueError(f"{requirement}, got {_describe(value)}")
 
 
 def _describe(value) -> str:

@@ -186,7 +186,7 @@ def _concatenated_biases(biases: list, share_storage: bool) -> torch.Tensor | No
     return _concatenated(biases, share_storage)
 
 
-def _concatenated(parameters: list[torch.nn.Parameter], share_storage: bool) -> torch.Tensor:
+def _concatenated(parameters: list[torch.Tensor], share_storage: bool) -> torch.Tensor:
     """``parameters`` concatenated along dim 0; with ``share_storage`` each parameter becomes a view of the result.
 
     The old storage is freed as each parameter is rebound, so building the fused
