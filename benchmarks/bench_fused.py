@@ -180,23 +180,25 @@ def measure(runs: int) -> dict:
 
 
 def compile_probe() -> dict:
-    """Seconds of the compiled decoder's first decode pass and first prefill (compiles included)."""
-    model = load_model()
+    """Seconds of the compiled decoder's first prefill (compiling), first decode pass, and a
+    second decode pass (compiled code only); the graphs dynamo compiled (3: no recompilation)."""
+    from torch._dynamo.utils import counters
+
     from genlm_backend.llm.hf.fused import FusedDecoder
 
+    model = load_model()
     decoder = FusedDecoder.of(model)
     ids = torch.zeros(ROWS, PREFILL, dtype=torch.int64)
+    times = {}
     with torch.inference_mode():
-        attend = make_attend(model, PREFILL)
-        start = time.perf_counter()
-        decoder(ids, torch.arange(PREFILL).expand(ROWS, -1), attend)
-        first = time.perf_counter() - start
-        attend = make_attend(model, PROMPT + 1)
-        attend.filled = PROMPT
-        start = time.perf_counter()
-        decoder(ids[:, :1], torch.full((ROWS, 1), PROMPT), attend)
-        second = time.perf_counter() - start
-    return {"first_pass_s": first, "second_shape_s": second}
+        attend = make_attend(model, PREFILL + 2)
+        for name, num_new in (("prefill", PREFILL), ("first_decode", 1), ("second_decode", 1)):
+            start = time.perf_counter()
+            positions = torch.arange(attend.filled, attend.filled + num_new).expand(ROWS, -1)
+            decoder(ids[:, :num_new], positions, attend)
+            attend.filled += num_new
+            times[f"{name}_s"] = time.perf_counter() - start
+    return times | {"graphs": counters["stats"]["unique_graphs"]}
 
 
 def compile_times(threads: int) -> dict:

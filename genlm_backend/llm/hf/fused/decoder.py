@@ -123,7 +123,7 @@ class FusedDecoder:
         batch, length = self._check(input_ids, position_ids, reads)
         cos, sin = self._rotary(self.weights.embed, position_ids)  # [B, T, D] each
         cos, sin = cos.reshape(-1, self.head_dim), sin.reshape(-1, self.head_dim)
-        tokens = input_ids.reshape(-1)
+        tokens = _graph_input(input_ids.reshape(-1))
         flat_reads = self._flat_reads(reads, batch, length, input_ids.device)
         layers = self.weights.layers
         self._mark_tokens(tokens, cos, sin)
@@ -173,7 +173,7 @@ class FusedDecoder:
         if reads is None:
             return torch.arange(1, batch + 1, device=device) * length - 1
         rows, positions = reads
-        return rows * length + positions
+        return _graph_input(rows * length + positions)
 
     def _attention_output(self, out, batch: int, length: int) -> torch.Tensor:
         width = self.num_heads * self.head_dim
@@ -186,8 +186,7 @@ class FusedDecoder:
                 f"attend must return [B, T, Hq, D] or [B, T, Hq * D] = [{batch}, {length}, "
                 f"{self.num_heads}, {self.head_dim}]; it returned {_describe(out)}"
             )
-        # the same strides on every call: a compiled graph is specialized to its inputs' layout
-        return out.reshape(batch * length, width).contiguous()
+        return _graph_input(out.reshape(batch * length, width))
 
     def _mark_tokens(self, *tensors: torch.Tensor) -> None:
         if self.compiled:
@@ -197,6 +196,17 @@ class FusedDecoder:
     def _mark_reads(self, reads: torch.Tensor) -> None:
         if self.compiled:
             torch._dynamo.decorators.mark_unbacked(reads, 0, shape_id="reads")
+
+
+def _graph_input(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous inference tensor, copied if it is not one.
+
+    Dynamo guards on its inputs' strides and dispatch keys: a slice of longer rows,
+    or a tensor made outside inference mode, would recompile every function.
+    """
+    if tensor.is_contiguous() and tensor.is_inference():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _check_index(value, dim: int, requirement: str) -> None:
