@@ -11,6 +11,8 @@ written into a preallocated cache, torch's SDPA over the filled part):
 
 * ``fused``: :class:`~genlm_backend.llm.hf.fused.FusedDecoder`, compiled;
 * ``fused-eager``: the same, ``compiled=False``;
+* ``fused-joined``: ``fused`` with the gate and up products as one ``[2 I, H]``
+  product (``split_gate_up=False``, the GPU's default) instead of two;
 * ``hf``: the transformers model's own forward, ``StaticAttend`` registered as its
   attention function (no cache object, no mask: the model's layers and nothing else).
 
@@ -42,7 +44,6 @@ from pathlib import Path
 import torch
 
 ROWS, PROMPT, STEPS, PREFILL = 16, 25, 32, 32
-VARIANTS = ("fused", "fused-eager", "hf")
 
 
 class StaticAttend:
@@ -84,8 +85,15 @@ def forwards(model) -> dict:
     from genlm_backend.llm.hf.fused import FusedDecoder
 
     compiled = FusedDecoder.of(model)
-    eager = FusedDecoder(compiled.weights, model.model.rotary_emb, compiled=False)
-    return {"fused": compiled, "fused-eager": eager, "hf": hf_forward(model)}
+    rotary = model.model.rotary_emb
+    eager = FusedDecoder(compiled.weights, rotary, compiled=False)
+    joined = FusedDecoder(compiled.weights, rotary, split_gate_up=False)
+    return {
+        "fused": compiled,
+        "fused-eager": eager,
+        "fused-joined": joined,
+        "hf": hf_forward(model),
+    }
 
 
 def hf_forward(model):
@@ -160,7 +168,8 @@ def measure(runs: int) -> dict:
     }
     seconds: dict = {(name, part): [] for name in variants for part in ("decode", "prefill")}
     for run in range(runs):
-        order = list(variants)[run % 3 :] + list(variants)[: run % 3]
+        shift = run % len(variants)
+        order = list(variants)[shift:] + list(variants)[:shift]
         for name in order:
             seconds[name, "decode"].append(time_decode(variants[name], model, prompt_ids)[0])
             seconds[name, "prefill"].append(time_prefill(variants[name], model, prefill_ids)[0])

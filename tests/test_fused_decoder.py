@@ -172,17 +172,27 @@ def test_eager_rows_match_the_plain_forward(family):
     assert check_passes(decoder, reference.row, batch=3, length=9) <= ATOL
 
 
+def test_one_gate_up_product_gives_the_rows_of_two():
+    """The GPU's default (one ``[2 I, H]`` product) on the CPU, MLP biases included."""
+    model = build("llama")
+    reference = Reference(model, VOCAB)
+    decoder = FusedDecoder.of(model, compiled=False, split_gate_up=False)
+    assert not decoder.spec.split_gate_up
+    assert check_passes(decoder, reference.row, batch=3, length=9) <= ATOL
+
+
 COMPILED_CASES = [
-    pytest.param(family, marks=() if family == COMPILED_IN_CI else pytest.mark.fused_all)
+    pytest.param(family, None, marks=() if family == COMPILED_IN_CI else pytest.mark.fused_all)
     for family in sorted(FAMILIES)
-]
+] + [pytest.param("llama", False, marks=pytest.mark.fused_all, id="llama-one-gate-up-product")]
 
 
-@pytest.mark.parametrize("family", COMPILED_CASES)
-def test_compiled_rows_match_the_plain_forward_and_compile_once(family):
+@pytest.mark.parametrize(("family", "split_gate_up"), COMPILED_CASES)
+def test_compiled_rows_match_the_plain_forward_and_compile_once(family, split_gate_up):
     model = build(family)
     reference = Reference(model, VOCAB)
-    assert check_compiled(FusedDecoder.of(model), reference.row) <= ATOL
+    decoder = FusedDecoder.of(model, split_gate_up=split_gate_up)
+    assert check_compiled(decoder, reference.row) <= ATOL
 
 
 def check_compiled(decoder, reference) -> float:

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from genlm_backend.llm.hf.fused.layers import between_layers, first_layer, last_layer_logits
+from genlm_backend.llm.hf.fused.layers import (
+    LayerSpec,
+    between_layers,
+    first_layer,
+    last_layer_logits,
+)
 from genlm_backend.llm.hf.fused.weights import DecoderWeights, take_weights
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -48,6 +53,8 @@ class FusedDecoder:
         added_nbytes: Weight bytes the decoder holds beyond the model's (0 when the
             storage is shared).
         compiled: Whether the layers run through ``torch.compile``.
+        spec: The layers' constants (:class:`~genlm_backend.llm.hf.fused.layers.LayerSpec`);
+            ``split_gate_up`` defaults to whether the weights are on the CPU.
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class FusedDecoder:
         *,
         attention_window: int | None = None,
         compiled: bool = True,
+        split_gate_up: bool | None = None,
     ):
         self.weights = weights
         self._rotary = rotary
@@ -68,13 +76,23 @@ class FusedDecoder:
         self.attention_window = attention_window
         self.added_nbytes = weights.added_nbytes
         self.compiled = compiled
+        if split_gate_up is None:
+            split_gate_up = weights.embed.device.type == "cpu"
+        self.spec = LayerSpec(self.num_heads, self.num_kv_heads, weights.eps, split_gate_up)
         functions: tuple[Callable[..., Any], ...] = (first_layer, between_layers, last_layer_logits)
         if compiled:
             functions = tuple(torch.compile(f, fullgraph=True) for f in functions)
         self._first, self._between, self._last = functions
 
     @classmethod
-    def of(cls, model, *, compiled: bool = True, share_storage: bool = True) -> FusedDecoder:
+    def of(
+        cls,
+        model,
+        *,
+        compiled: bool = True,
+        share_storage: bool = True,
+        split_gate_up: bool | None = None,
+    ) -> FusedDecoder:
         """The fused decoder of a transformers causal LM, its weights taken once.
 
         Args:
@@ -83,6 +101,8 @@ class FusedDecoder:
                 the dtype it will run in, without adapters.
             compiled: Run the layers through ``torch.compile``; ``False``: eagerly.
             share_storage: See :func:`~genlm_backend.llm.hf.fused.weights.take_weights`.
+            split_gate_up: See :class:`~genlm_backend.llm.hf.fused.layers.LayerSpec`
+                (``None``: split on the CPU).
 
         Raises:
             ValueError: any other architecture (the message names it and the
@@ -93,7 +113,13 @@ class FusedDecoder:
 
         weights = take_weights(model, share_storage=share_storage)
         window = attention_window(model.config)
-        return cls(weights, model.model.rotary_emb, attention_window=window, compiled=compiled)
+        return cls(
+            weights,
+            model.model.rotary_emb,
+            attention_window=window,
+            compiled=compiled,
+            split_gate_up=split_gate_up,
+        )
 
     @torch.inference_mode()
     def __call__(
@@ -127,8 +153,8 @@ class FusedDecoder:
         flat_reads = self._flat_reads(reads, batch, length, input_ids.device)
         layers = self.weights.layers
         self._mark_tokens(tokens, cos, sin)
-        shape = (self.num_heads, self.num_kv_heads, self.weights.eps)
-        q, k, v, residual = self._first(tokens, self.weights.embed, layers[0], cos, sin, *shape)
+        spec = self.spec
+        q, k, v, residual = self._first(tokens, self.weights.embed, layers[0], cos, sin, spec)
         for index, layer in enumerate(layers):
             # q: [N, Hq, D] -> [B, Hq, T, D]; k, v: [N, Hkv, D] -> [B, Hkv, T, D]
             q, k, v = (x.unflatten(0, (batch, length)).transpose(1, 2) for x in (q, k, v))
@@ -136,13 +162,11 @@ class FusedDecoder:
             self._mark_tokens(out, residual)
             if index + 1 < self.num_layers:
                 next_layer = layers[index + 1]
-                q, k, v, residual = self._between(
-                    out, residual, layer, next_layer, cos, sin, *shape
-                )
+                q, k, v, residual = self._between(out, residual, layer, next_layer, cos, sin, spec)
         self._mark_reads(flat_reads)
         weights = self.weights
-        head = (weights.final_norm, weights.head, weights.head_bias, weights.eps)
-        return self._last(out, residual, flat_reads, layer, *head)
+        head = (weights.final_norm, weights.head, weights.head_bias)
+        return self._last(out, residual, flat_reads, layer, *head, spec)
 
     def _check(self, input_ids, position_ids, reads) -> tuple[int, int]:
         """``(B, T)`` of well-formed inputs (see :meth:`__call__`'s ``Raises``)."""

@@ -13,10 +13,27 @@ dimension, ``V`` vocabulary, ``R`` rows read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from genlm_backend.llm.hf.fused.weights import LayerWeights
+
+
+class LayerSpec(NamedTuple):
+    """The constants of every layer: heads, the norms' epsilon, and how the MLP multiplies.
+
+    ``split_gate_up``: the gate and up products as two matrix products over the
+    halves of the concatenated matrix instead of one. On the CPU one ``[2 I, H]``
+    product took 10 to 25% longer than two ``[I, H]`` ones (MKL, SmolLM2's shapes:
+    ``benchmarks/bench_fused.py``); on a GPU one product is one kernel fewer.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    split_gate_up: bool
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,7 +69,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of the concatenated gate/up projection ``[N, 2 I]`` -> ``[N, I]``."""
+    """``silu(gate) * up`` of the concatenated gate/up product ``[N, 2 I]`` -> ``[N, I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -62,9 +79,7 @@ def attention_inputs(
     layer: LayerWeights,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    eps: float,
+    spec: LayerSpec,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries ``[N, Hq, D]``, keys and values ``[N, Hkv, D]`` of normed hidden states ``[N, H]``.
 
@@ -72,26 +87,36 @@ def attention_inputs(
     """
     qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
     head_dim = cos.shape[-1]
-    kv_width = num_kv_heads * head_dim
-    q, k, v = qkv.split([num_heads * head_dim, kv_width, kv_width], dim=-1)
+    kv_width = spec.num_kv_heads * head_dim
+    q, k, v = qkv.split([spec.num_heads * head_dim, kv_width, kv_width], dim=-1)
     q, k, v = (x.unflatten(-1, (-1, head_dim)) for x in (q, k, v))
     if layer.q_norm is not None and layer.k_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        q, k = rms_norm(q, layer.q_norm, spec.eps), rms_norm(k, layer.k_norm, spec.eps)
     q, k = apply_rotary(q, k, cos, sin)
     return q, k, v
 
 
 def mlp_block(
-    attention_out: torch.Tensor, residual: torch.Tensor, layer: LayerWeights, eps: float
+    attention_out: torch.Tensor, residual: torch.Tensor, layer: LayerWeights, spec: LayerSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(residual after attention, MLP output)`` of attention output ``[N, Hq D]`` and the residual ``[N, H]``.
 
     The MLP's own residual add is left to the caller, fused with the norm that follows.
     """
     update = F.linear(attention_out, layer.o, layer.o_bias)
-    residual, normed = add_rms_norm(residual, update, layer.post_norm, eps)
-    gate_up = F.linear(normed, layer.gate_up, layer.gate_up_bias)
-    return residual, F.linear(swiglu(gate_up), layer.down, layer.down_bias)
+    residual, normed = add_rms_norm(residual, update, layer.post_norm, spec.eps)
+    return residual, F.linear(gated(normed, layer, spec), layer.down, layer.down_bias)
+
+
+def gated(normed: torch.Tensor, layer: LayerWeights, spec: LayerSpec) -> torch.Tensor:
+    """``silu(gate) * up`` ``[N, I]`` of normed hidden states ``[N, H]``, in one matrix product or
+    two over the halves of the concatenated matrix (:attr:`LayerSpec.split_gate_up`)."""
+    if not spec.split_gate_up:
+        return swiglu(F.linear(normed, layer.gate_up, layer.gate_up_bias))
+    weights = layer.gate_up.chunk(2)
+    biases = (None, None) if layer.gate_up_bias is None else layer.gate_up_bias.chunk(2)
+    gate, up = (F.linear(normed, weight, bias) for weight, bias in zip(weights, biases))
+    return F.silu(gate) * up
 
 
 def first_layer(
@@ -100,14 +125,12 @@ def first_layer(
     layer: LayerWeights,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    eps: float,
+    spec: LayerSpec,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids ``[N]`` -> layer 0's ``(q, k, v, residual)``: embedding, norm, QKV, rotary."""
     hidden = F.embedding(input_ids, embed)
-    normed = rms_norm(hidden, layer.input_norm, eps)
-    return (*attention_inputs(normed, layer, cos, sin, num_heads, num_kv_heads, eps), hidden)
+    normed = rms_norm(hidden, layer.input_norm, spec.eps)
+    return (*attention_inputs(normed, layer, cos, sin, spec), hidden)
 
 
 def between_layers(
@@ -117,15 +140,13 @@ def between_layers(
     next_layer: LayerWeights,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    eps: float,
+    spec: LayerSpec,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything between two attention calls: ``layer``'s ``o_proj``, residual, norm, MLP and
     residual, then ``next_layer``'s norm, QKV and rotary -> ``(q, k, v, residual)``."""
-    residual, update = mlp_block(attention_out, residual, layer, eps)
-    hidden, normed = add_rms_norm(residual, update, next_layer.input_norm, eps)
-    return (*attention_inputs(normed, next_layer, cos, sin, num_heads, num_kv_heads, eps), hidden)
+    residual, update = mlp_block(attention_out, residual, layer, spec)
+    hidden, normed = add_rms_norm(residual, update, next_layer.input_norm, spec.eps)
+    return (*attention_inputs(normed, next_layer, cos, sin, spec), hidden)
 
 
 def last_layer_logits(
@@ -136,7 +157,7 @@ def last_layer_logits(
     final_norm: torch.Tensor,
     head: torch.Tensor,
     head_bias: torch.Tensor | None,
-    eps: float,
+    spec: LayerSpec,
 ) -> torch.Tensor:
     """Float32 logits ``[R, V]`` at the flat token indices ``reads`` ``[R]``.
 
@@ -145,6 +166,6 @@ def last_layer_logits(
     hidden state is needed past its attention.
     """
     attention_out, residual = attention_out.index_select(0, reads), residual.index_select(0, reads)
-    residual, update = mlp_block(attention_out, residual, layer, eps)
-    _, normed = add_rms_norm(residual, update, final_norm, eps)
+    residual, update = mlp_block(attention_out, residual, layer, spec)
+    _, normed = add_rms_norm(residual, update, final_norm, spec.eps)
     return F.linear(normed, head, head_bias).float()
