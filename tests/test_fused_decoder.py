@@ -230,7 +230,7 @@ def test_compiled_bfloat16_rows_are_as_close_to_float32_as_bfloat16_allows():
 @pytest.mark.slow
 def test_smollm2_eager_rows_match_the_plain_forward(smollm2_model):
     decoder = FusedDecoder.of(smollm2_model, compiled=False, share_storage=False)
-    assert check_passes(decoder, functools.partial(reference, smollm2_model), 3, 9) <= ATOL
+    assert check_passes(decoder, functools.partial(reference, smollm2_model), 2, 6) <= ATOL
 
 
 class AgainstFloat64:
