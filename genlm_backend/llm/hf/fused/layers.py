@@ -26,8 +26,9 @@ class LayerSpec(NamedTuple):
 
     ``split_gate_up``: the gate and up products as two matrix products over the
     halves of the concatenated matrix instead of one. On the CPU one ``[2 I, H]``
-    product took 10 to 25% longer than two ``[I, H]`` ones (MKL, SmolLM2's shapes:
-    ``benchmarks/bench_fused.py``); on a GPU one product is one kernel fewer.
+    product took 10 to 25% longer than two ``[I, H]`` ones (MKL, SmolLM2's shapes;
+    BENCHMARKS.md, "The fused decoder on the CPU"); on a GPU one product is one
+    kernel fewer.
     """
 
     num_heads: int
