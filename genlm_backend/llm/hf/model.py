@@ -48,13 +48,19 @@ class AsyncTransformer(AsyncLM):
             holds and whoever else calls (``rounds`` of
             :class:`~genlm_backend.batching.BatchingConfig`); the thread
             count is fixed (``cpu_threads`` is ignored).
+        executor: What runs a planned pass: ``"auto"`` (default), ``"transformers"``
+            or ``"fused"`` (the Llama family's fused decoder; see
+            :class:`~genlm_backend.llm.hf.runner.HFRunner`). The fused decoder's
+            compiled code is specialized to the torch thread count: with it, the
+            count stays fixed (``cpu_threads`` is ignored).
         **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options
             (``compute_in_loop``, ``chunk_tokens``, ...).
 
     Raises:
         ImportError: the installed transformers is not a supported version.
         ValueError: ``deterministic`` with a model whose attention the runner
-            cannot compute itself (the message says why).
+            cannot compute itself (the message says why); ``executor="fused"``
+            for a model outside the Llama family, or with ``deterministic``.
     """
 
     runner: HFRunner
@@ -70,6 +76,7 @@ class AsyncTransformer(AsyncLM):
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
         cpu_threads: str | None = "auto",
         deterministic: bool = False,
+        executor: str = "auto",
         **kwargs,
     ):
         if not isinstance(deterministic, bool):
@@ -89,8 +96,15 @@ class AsyncTransformer(AsyncLM):
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
         self.runner = HFRunner(
-            hf_model.eval(), self.kv_cache, self.vocab_size, deterministic=deterministic
+            hf_model.eval(),
+            self.kv_cache,
+            self.vocab_size,
+            deterministic=deterministic,
+            executor=executor,
         )
+        if self.runner.executor is not self.runner.executor_of_transformers:
+            # Compiled code guards on the torch thread count: adapting it would recompile.
+            self.engine.batcher.cpu_threads = None
 
     @property
     def model(self):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,29 +73,50 @@ class HFRunner(PrefixCacheRunner):
         deterministic: Every row has the bits of its context computed alone
             from an empty cache, whatever shares its pass and whatever the tree
             holds (:class:`~genlm_backend.llm.hf.exact.ExactRows`).
+        executor: What runs a planned pass: ``"transformers"`` (the model's own
+            forward), ``"fused"`` (the Llama family's fused decoder,
+            :class:`FusedExecutor`) or ``"auto"`` (fused where the family is
+            supported and BENCHMARKS.md shows it faster on the model's kind of
+            device: :data:`FUSED_BY_DEFAULT`; else transformers).
 
     Raises:
         ImportError: the installed transformers is not a supported version.
         ValueError: ``deterministic`` for a model whose attention the runner cannot
-            compute itself, or on a device and dtype where rows are not exact.
+            compute itself, or on a device and dtype where rows are not exact;
+            ``executor="fused"`` for a model outside the Llama family (the message
+            names it) or with ``deterministic``; an unknown ``executor``.
     """
 
     adapters: PeftAdapters
 
-    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, deterministic: bool = False):
+    def __init__(
+        self,
+        model,
+        kv_tree: KVPrefixTree,
+        vocab_size: int,
+        deterministic: bool = False,
+        executor: str = "auto",
+    ):
         check_transformers_version()
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         adapters = PeftAdapters(model)
         self.levels_unsupported = shared_levels_unsupported(model)
         """Why shared prefixes are copied per row for this model (``None``: they are read once)."""
         self.strategy = _strategy(model, self.levels_unsupported, deterministic)
         self.deterministic = deterministic
-        self.executor = TransformersExecutor(
+        plain = TransformersExecutor(
             lambda: adapters.model,
             kv_tree,
             vocab_size,
             max_positions(model.config),
             self.strategy,
             self.levels_unsupported,
+        )
+        self.executor_of_transformers = plain
+        """The executor running the transformers model (also :attr:`executor` by default)."""
+        self.executor: TransformersExecutor | FusedExecutor = _executor(
+            executor, model, plain, deterministic
         )
         super().__init__(
             PrefixCacheDriver(kv_tree, self.executor, vocab_size), adapters, model.device
@@ -148,6 +170,34 @@ class HFRunner(PrefixCacheRunner):
     def clear(self) -> None:
         self.graphs.clear()
         super().clear()
+
+
+EXECUTORS = ("auto", "fused", "transformers")
+
+FUSED_BY_DEFAULT: frozenset[str] = frozenset()
+"""Device kinds where ``executor="auto"`` picks the fused decoder: where BENCHMARKS.md shows it
+faster, compile included. None yet: on the CPU its step was within the machine's noise of the
+transformers step and its first compile takes a minute; no GPU has measured it."""
+
+
+def _executor(
+    choice: str, model, plain: TransformersExecutor, deterministic: bool
+) -> TransformersExecutor | FusedExecutor:
+    """The runner's executor (see :class:`HFRunner`'s ``executor``)."""
+    if choice == "transformers" or (
+        choice == "auto" and (deterministic or model.device.type not in FUSED_BY_DEFAULT)
+    ):
+        return plain
+    from genlm_backend.llm.hf.fused import SUPPORTED_ARCHITECTURES, FusedDecoder
+
+    if choice == "auto" and type(model).__name__ not in SUPPORTED_ARCHITECTURES:
+        return plain
+    if deterministic:
+        raise ValueError(
+            "executor='fused' does not compute exact rows yet: deterministic=True runs the "
+            "transformers executor (executor='transformers' or 'auto')"
+        )
+    return FusedExecutor(FusedDecoder.of(model), plain)
 
 
 def _strategy(model, levels_unsupported: str | None, deterministic: bool) -> RowStrategy:
@@ -220,44 +270,54 @@ class TransformersExecutor:
         return PassResult(*ran, step.placements())
 
     @torch.inference_mode()
-    def forward(self, plan: PassPlan) -> tuple[torch.Tensor, KVBlock]:
-        """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and the block written."""
+    def forward(
+        self, plan: PassPlan, model_logits: ModelLogits | None = None
+    ) -> tuple[torch.Tensor, KVBlock]:
+        """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and
+        the block written; the logits from ``model_logits`` (``None``: :meth:`model_logits`,
+        the transformers model's forward)."""
         model = self.model
         device = model.device
         inputs = planner.pass_inputs(plan, self.max_positions)
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, inputs)
-        cache = self.caches(block.layers, plan.num_past)
-        input_ids = torch.tensor(inputs.tokens).to(device)  # [B, num_new]
-        position_ids = torch.tensor(inputs.positions).to(device)
-        mask = own_part_mask(plan, inputs, block.num_slots, model.dtype, device)
         num_kv_heads = kv_shape(model.config)[0]
         num_groups = model.config.get_text_config(decoder=True).num_attention_heads // num_kv_heads
-        attention = self.strategy.attention(
-            plan, cascade_levels(plan, inputs, device), num_groups, block.num_slots
+        pass_ = ModelPass(
+            input_ids=torch.tensor(inputs.tokens).to(device),  # [B, num_new]
+            position_ids=torch.tensor(inputs.positions).to(device),
+            cache=self.caches(block.layers, plan.num_past),
+            mask=own_part_mask(plan, inputs, block.num_slots, model.dtype, device),
+            attention=self.strategy.attention(
+                plan, cascade_levels(plan, inputs, device), num_groups, block.num_slots
+            ),
+            # A one-token step reads each row's only position; a longer pass, its reads' positions.
+            reads=_read_positions(plan, device) if plan.num_new > 1 else None,
         )
-        # A one-token step reads each row's only position; a longer pass, the positions of its reads.
-        reads = _read_positions(plan, device) if plan.num_new > 1 else None
+        logits = (model_logits or self.model_logits)(pass_)  # [len(plan.reads), V_model]
+        return fit_to_vocab(logits, self.vocab_size), block
+
+    def model_logits(self, pass_: ModelPass) -> torch.Tensor:
+        """The transformers model's logits of a pass's reads, ``[R, V_model]``."""
+        model, reads = self.model, pass_.reads
         with (
             grouped_kv_attention(model),
-            attending(attention),
+            attending(pass_.attention),
             head_sees_only(model, reads),
             self.strategy.products(),
         ):
             output = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=cache,
+                input_ids=pass_.input_ids,
+                attention_mask=pass_.mask,
+                position_ids=pass_.position_ids,
+                past_key_values=pass_.cache,
                 use_cache=True,
-                logits_to_keep=plan.num_new,
+                logits_to_keep=pass_.input_ids.shape[1],
             )
         # logits: [N, 1, V_model] per read, [B, 1, V_model] for one-token steps,
         # or [B, num_new, V_model] for a head the hook cannot reach
         if output.logits.shape[1] == 1 or reads is None:
-            logits = output.logits[:, 0]
-        else:
-            logits = output.logits[reads]
-        return fit_to_vocab(logits, self.vocab_size), block
+            return output.logits[:, 0]
+        return output.logits[reads]
 
     def _block_with_pasts(self, plan: PassPlan, inputs: planner.PassInputs) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
@@ -329,6 +389,81 @@ def cascade_levels(plan: PassPlan, inputs: planner.PassInputs, device: torch.dev
         )
         for (entry, n), rows in inputs.levels
     ]
+
+
+@dataclass(frozen=True)
+class ModelPass:
+    """One pass's model inputs, made from its plan: what a model call needs."""
+
+    input_ids: torch.Tensor
+    """``[B, num_new]`` int64: each row's new tokens, padded after its own."""
+    position_ids: torch.Tensor
+    """``[B, num_new]`` int64."""
+    cache: Any
+    """A ``StaticCache`` over the pass's block: layer ``i``'s ``update(keys, values)`` writes
+    the new keys/values and returns the layer's whole ``[B, Hkv, S, D]`` keys and values."""
+    mask: torch.Tensor
+    """Additive ``[B, 1, num_new, S]`` over the block's slots."""
+    attention: PassAttention | None
+    """The pass's attention (``None``: plain softmax over the own part with :attr:`mask`)."""
+    reads: tuple[torch.Tensor, torch.Tensor] | None
+    """``(rows, positions)`` of the new tokens whose logits are wanted; ``None``: each row's last."""
+
+
+ModelLogits = Callable[[ModelPass], torch.Tensor]
+"""How an executor gets a pass's logits, ``[R, V_model]``, from its :class:`ModelPass`."""
+
+
+class FusedExecutor:
+    """Planned passes run by the Llama family's fused decoder (:mod:`~genlm_backend.llm.hf.fused`).
+
+    Its passes are the transformers executor's (``plain``: inputs, blocks,
+    masks, levels, the row strategy's attention); only the model call differs:
+    the decoder's compiled layers around the pass's attention, which writes the
+    new keys/values into the pass's block. Passes under a LoRA adapter run the
+    transformers model under peft (the decoder holds the base weights). Its steps
+    run eagerly: no captured steps.
+    """
+
+    support = ExecutorSupport(adapters=True, captured_steps=False, exact_rows=False)
+
+    def __init__(self, decoder: Any, plain: TransformersExecutor):
+        self.decoder = decoder
+        self.plain = plain
+        plain.graphs.unsupported = "the fused executor runs its steps eagerly"
+
+    @property
+    def level_policy(self) -> LevelPolicy:
+        return self.plain.level_policy
+
+    @level_policy.setter
+    def level_policy(self, policy: LevelPolicy) -> None:
+        self.plain.level_policy = policy
+
+    @property
+    def graphs(self) -> StepGraphs:
+        return self.plain.graphs
+
+    def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
+        if namespace is not None:  # an adapter's pass: the transformers model under peft
+            return self.plain.run_pass(plan, namespace)
+        logprobs, block = self.plain.forward(plan, self.model_logits)
+        return PassResult(logprobs, block, plan.placements())
+
+    def model_logits(self, pass_: ModelPass) -> torch.Tensor:
+        """The fused decoder's logits of the pass's reads, ``[R, V_model]``."""
+        decoder, cache, attention, mask = self.decoder, pass_.cache, pass_.attention, pass_.mask
+
+        def attend(layer: int, query, key, value) -> torch.Tensor:
+            keys, values = cache.layers[layer].update(key, value)  # [B, Hkv, S, D] each
+            if attention is not None:
+                return attention.attend(layer, query, keys, values, mask, decoder.scale)
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=decoder.scale, enable_gqa=True
+            )
+            return output.transpose(1, 2)  # [B, L, Hq, D]
+
+        return decoder(pass_.input_ids, pass_.position_ids, attend, pass_.reads)
 
 
 # ---------------------------------------------------------------------- plain rows
