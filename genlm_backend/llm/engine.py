@@ -210,6 +210,12 @@ class Engine:
                 todo = [key for key in todo if key not in found]
                 if not todo:
                     return StepOutcome(found)
+            stale = self._stale(todo)
+            if stale:
+                found.update(stale)
+                todo = [key for key in todo if key not in stale]
+                if not todo:
+                    return StepOutcome(found)
             batch = todo[:1]  # what a failing cost estimate fails
             try:
                 batch = self._within_budget(todo)
@@ -245,19 +251,19 @@ class Engine:
         costs = (self.runner.request_tokens(_as_request(r)) for r in todo)
         return todo[: config.next_batch_length(costs)]
 
-    def _compute(self, batch: list[Key]) -> dict:
-        """``{request: value}`` for a batch of distinct rows and scores (lock held); rows enter the output cache.
+    def _stale(self, todo: list[Key]) -> dict:
+        """``{request: the ValueError its caller gets}`` for the requests whose adapter was
+        removed or re-registered since their call: they are not computed."""
+        if all(r.adapter is None for r in todo):  # the base model is always current
+            return {}
+        is_current = self.adapters.is_current
+        return {r: _replaced_adapter_error(r) for r in todo if not is_current(r.adapter)}
 
-        A request whose adapter was removed or re-registered since its call
-        is not computed: its value is the ``ValueError`` its caller gets.
-        """
-        if all(r.adapter is None for r in batch):  # the base model is always current
-            rows = [r for r in batch if type(r) is Request]
-            scores = [r for r in batch if type(r) is ScoreRequest] if len(rows) < len(batch) else []
-        else:
-            is_current = self.adapters.is_current
-            rows = [r for r in batch if type(r) is Request and is_current(r.adapter)]
-            scores = [r for r in batch if type(r) is ScoreRequest and is_current(r.adapter)]
+    def _compute(self, batch: list[Key]) -> dict:
+        """``{request: value}`` for a batch of distinct rows and scores of current adapters
+        (lock held); rows enter the output cache."""
+        rows = [r for r in batch if type(r) is Request]
+        scores = [r for r in batch if type(r) is ScoreRequest] if len(rows) < len(batch) else []
         found: dict = {}
         if rows:
             block = self._fresh(self.runner.run(rows))
@@ -268,10 +274,6 @@ class Engine:
             found.update(zip(scores, self.runner.score(scores)))
         self.counts["batches"] += 1
         self.counts["contexts"] += len(rows) + len(scores)
-        if len(found) < len(batch):
-            for request in batch:
-                if request not in found:
-                    found[request] = _replaced_adapter_error(request)
         return found
 
     def _fresh(self, block: torch.Tensor) -> torch.Tensor:

@@ -365,7 +365,10 @@ class PrefixCacheDriver:
         and the tree lacks, or else of each long context up to its last token,
         in order; it enters the tree, so the next chunk, and the rows, continue
         from it. Short contexts are left to the rows' pass: many rows of a few
-        tokens (particles' steps) are one cheap pass, not a long one. With
+        tokens (particles' steps) are one cheap pass, not a long one. A shared
+        prefix's chunk takes its whole rest when less than
+        ``min_prefill_tokens`` would be left (a chunk then exceeds ``max_tokens``
+        by less than that): a shorter rest would be computed by every row. With
         ``block_tokens`` levels (exact rows), a chunk that reaches past a block
         boundary ends at one.
         """
@@ -375,13 +378,13 @@ class PrefixCacheDriver:
             return 0
         cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
         work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
+        min_shared = 0  # the shortest rest of a shared prefix left to a later chunk
         if self.level_policy.enabled:
-            rounds = planner.shared_uncached_prefixes(
-                long, cached, self.level_policy.min_prefill_tokens
-            )
+            min_shared = self.level_policy.min_prefill_tokens
+            rounds = planner.shared_uncached_prefixes(long, cached, min_shared)
             work = [(prefix, len(prefix)) for prefix in rounds[0]] if rounds else []
         if not work:
-            work = [(context, len(context) - 1) for context in long]
+            work, min_shared = [(context, len(context) - 1) for context in long], 0
         block = self.level_policy.block_tokens
         chunks, budget = [], max_tokens
         for prefix, end in work:
@@ -389,6 +392,9 @@ class PrefixCacheDriver:
             take = min(end - start, budget)
             if take <= 0:
                 continue
+            if 0 < end - start - take < min_shared:
+                # A shorter rest would no longer count as shared: every row would compute it.
+                take = end - start
             if block and take < end - start and (start + take) // block > start // block:
                 take -= (start + take) % block  # end the chunk at a block boundary
             chunks.append(prefix[: start + take])
