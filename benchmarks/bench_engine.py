@@ -1,9 +1,10 @@
 """The engine's share of a particle step: ours against its runner alone and a plain decode loop.
 
 Workload ``PxS@T``: P particles behind one T-token prompt take S steps; each
-particle chooses its next token from its own row (numpy's ``argmax``), so every step
-depends on the last and every row is distinct (each particle's first token
-differs). The model is a 2-layer Llama of random weights (width 256, 4 heads
+particle chooses its next token from its own row (``--draw numpy``: numpy's
+``argmax``; ``--draw torch``: ``int(row[:V].argmax())``, a torch operation per
+row), so every step depends on the last and every row is distinct (each
+particle's first token differs). The model is a 2-layer Llama of random weights (width 256, 4 heads
 of 64, SmolLM2's 49,152-token vocabulary), small enough that the host work
 around the model shows. float32 on the CPU, ``--threads`` torch threads.
 The variants run in turns in one process (the machine's speed drifts between
@@ -16,7 +17,13 @@ processes and minutes: ratios within a round are what to trust), ``--rounds`` ro
   batched ``argmax``: the runner's own work (planning, the KV tree, the
   forward pass) without the engine.
 * ``ours``: ``await llm.next_token_logprobs(context)`` for each particle, on
-  ``AsyncTransformer``'s defaults; each particle takes ``argmax`` of its row.
+  ``AsyncTransformer``'s defaults; each particle draws from its own row.
+
+``ours-runner`` also reports its model time: the model's forward and the rows'
+log-softmax, timed inside the step; the rest of the runner's step (lookup,
+plan, inputs, commit) is its host work. Each round reports the microseconds
+a request costs in ours beyond ours-runner (the front and the engine), and the
+runner's host work per step.
 * ``floor``: what an exact step cannot skip behind a T-token prompt: the
   loop's step behind the shortest prompt of the run, plus the prompt's
   attention computed once per layer for every row together (grouped queries
@@ -30,7 +37,7 @@ prompt cost nothing), ours over ours-runner (the engine's share), and each
 variant's step behind each prompt over its step behind the first.
 
     python benchmarks/bench_engine.py                              # 64x32@64 and 64x32@4096
-    python benchmarks/bench_engine.py --workloads 64x32@64 --rounds 7
+    python benchmarks/bench_engine.py --workloads 64x32@64 --rounds 7 --draw torch
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from bench_long_prompt import (  # noqa: E402
 )
 
 VARIANTS = ("loop", "ours-runner", "ours")
+DRAWS = ("numpy", "torch")
 """Run one by one; the floor is computed from the loop's step and the prompt's attention."""
 WORKLOADS = ("64x32@64", "64x32@4096")
 NUM_WARM_UP_STEPS = 2
@@ -78,8 +86,8 @@ def small_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def run_variant(model, variant: str, workload: str) -> float:
-    """One variant's mean step time, in seconds, in this process."""
+def run_variant(model, variant: str, workload: str, draw: str = "numpy") -> float | tuple:
+    """One variant's mean step time, in seconds, in this process (``ours-runner``: and its model's)."""
     particles, steps, prompt_tokens = parse_workload(workload)
     if variant == "attention":
         total_s = prompt_attention_seconds(
@@ -88,7 +96,9 @@ def run_variant(model, variant: str, workload: str) -> float:
         return total_s / steps
     prompt, own = token_draws(model.config.vocab_size, particles, 1, prompt_tokens)
     firsts = [o[0] for o in own]
-    run = {"loop": _loop, "ours-runner": _runner, "ours": _ours}[variant]
+    if variant == "ours":
+        return _ours(model, prompt, firsts, NUM_WARM_UP_STEPS + steps, draw)
+    run = {"loop": _loop, "ours-runner": _runner}[variant]
     return run(model, prompt, firsts, NUM_WARM_UP_STEPS + steps)
 
 
@@ -114,26 +124,49 @@ def _loop(model, prompt, firsts, total) -> float:
     return _mean_timed(times)
 
 
-def _runner(model, prompt, firsts, total) -> float:
+def _runner(model, prompt, firsts, total) -> tuple[float, float]:
+    from genlm_backend.llm import runner as runner_module
     from genlm_backend.llm.hf import AsyncTransformer
+    from genlm_backend.llm.hf import runner as hf_runner
     from genlm_backend.llm.runner import Request
 
     llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(49152)])
     runner = llm.runner
     runner.run([Request(None, tuple(prompt))])
     contexts = [(*prompt, first) for first in firsts]
-    times = []
-    for _ in range(total):
-        start = time.perf_counter()
-        rows = runner.run([Request(None, context) for context in contexts])
-        chosen = rows.argmax(-1).tolist()
-        contexts = [(*context, token) for context, token in zip(contexts, chosen)]
-        times.append(time.perf_counter() - start)
+    model_s = [0.0]
+    forward, fit = model.forward, runner_module.fit_to_vocab
+
+    def timed(function):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                model_s[0] += time.perf_counter() - start
+
+        return call
+
+    model.forward = timed(forward)
+    hf_runner.fit_to_vocab = timed(fit)
+    times, model_times = [], []
+    try:
+        for _ in range(total):
+            model_s[0] = 0.0
+            start = time.perf_counter()
+            rows = runner.run([Request(None, context) for context in contexts])
+            chosen = rows.argmax(-1).tolist()
+            contexts = [(*context, token) for context, token in zip(contexts, chosen)]
+            times.append(time.perf_counter() - start)
+            model_times.append(model_s[0])
+    finally:
+        del model.forward
+        hf_runner.fit_to_vocab = fit
     llm.close()
-    return _mean_timed(times)
+    return _mean_timed(times), _mean_timed(model_times)
 
 
-def _ours(model, prompt, firsts, total) -> float:
+def _ours(model, prompt, firsts, total, draw: str) -> float:
     import asyncio
 
     from genlm_backend.llm.hf import AsyncTransformer
@@ -144,9 +177,13 @@ def _ours(model, prompt, firsts, total) -> float:
 
     async def particle(first: int) -> None:
         context = [*prompt, first]
+        vocab = llm.vocab_size
         for step in range(total):
             row = await llm.next_token_logprobs(context)
-            context.append(int(row.numpy().argmax()))
+            if draw == "torch":
+                context.append(int(row[:vocab].argmax()))
+            else:
+                context.append(int(row.numpy().argmax()))
             if len(step_ends) <= step:
                 step_ends.append(0.0)
             step_ends[step] = time.perf_counter()  # the last particle's end ends the step
@@ -170,6 +207,9 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turns")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--draw", choices=DRAWS, default="numpy", help="how a particle reads its row"
+    )
     parser.add_argument("--json", type=Path, help="also write all results to this JSON file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -179,21 +219,29 @@ def main(argv=None) -> None:
     for round_index in range(args.rounds):
         for workload in args.workloads:
             for variant in measured:
-                step_s = run_variant(model, variant, workload)
+                step_s = run_variant(model, variant, workload, args.draw)
+                model_s = None
+                if isinstance(step_s, tuple):
+                    step_s, model_s = step_s
                 results.append(
                     {
                         "round": round_index,
                         "workload": workload,
                         "variant": variant,
                         "step_s": step_s,
+                        "model_s": model_s,
                     }
                 )
-                print(f"round {round_index + 1}: {workload} {variant}: {1e3 * step_s:.2f} ms")
+                print(
+                    f"round {round_index + 1}: {workload} {variant}: {1e3 * step_s:.2f} ms"
+                    + ("" if model_s is None else f" (model {1e3 * model_s:.2f} ms)")
+                )
     variants = list(args.variants)
     if "loop" in variants:
         results += floors(results, args.workloads)
         variants.append("floor")
     report(results, args.workloads, variants)
+    host_report(results, args.workloads)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
@@ -245,6 +293,30 @@ def report(results: list[dict], workloads: list[str], variants: list[str]) -> No
                 f"| {median_ratio(workload, variant, workload, 'ours-runner')} "
                 f"| {median_ratio(workload, variant, first, variant)} |"
             )
+
+
+def host_report(results: list[dict], workloads: list[str]) -> None:
+    """Per workload, medians over rounds: the microseconds a request costs in ours beyond
+    ours-runner, and ours-runner's host work per step (its step minus its model time)."""
+    by = {(r["round"], r["workload"], r["variant"]): r for r in results}
+    rounds = sorted({r["round"] for r in results})
+    print("\n| workload | ours - ours-runner (us a request) | runner host work (ms a step) |")
+    print("|---|---|---|")
+    for workload in workloads:
+        particles = parse_workload(workload)[0]
+        extra, host = [], []
+        for k in rounds:
+            ours, runner = by.get((k, workload, "ours")), by.get((k, workload, "ours-runner"))
+            if runner is not None and runner["model_s"] is not None:
+                host.append(1e3 * (runner["step_s"] - runner["model_s"]))
+            if ours is not None and runner is not None:
+                extra.append(1e6 * (ours["step_s"] - runner["step_s"]) / particles)
+        print(
+            f"| {workload} | {statistics.median(extra):.1f} ({min(extra):.1f}-{max(extra):.1f}) "
+            f"| {statistics.median(host):.2f} ({min(host):.2f}-{max(host):.2f}) |"
+            if extra and host
+            else f"| {workload} | - | - |"
+        )
 
 
 if __name__ == "__main__":

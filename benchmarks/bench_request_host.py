@@ -3,9 +3,10 @@
 What ``await next_token_logprobs(context)`` does on the event loop before
 and after its batch, for a particle whose previous context was computed
 (its keys/values in the tree, its row in the output cache): validating the
-context and making its request (``AsyncLM.requests``), the output cache's
+context and making its request (``AsyncLM.request``), the step's output-cache
 lookup (a miss), the batch-cost estimate (``request_tokens``: the KV tree's
-lookup), and the copy of the row returned (``own_copy``). Timed call by call, in this
+lookup), and the row handed back (a view of its step's output: its share of
+``unbind``). Timed call by call, in this
 process, on the default model behind a prompt of each length, every phase
 the median over particles and repeats; no forward pass runs while timing, so
 the figures are the work itself, not its contention with the model's threads.
@@ -37,7 +38,6 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from genlm_backend.llm.base import own_copy
     from genlm_backend.llm.hf import AsyncTransformer
     from genlm_backend.models import default_model_dir
 
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     byte_vocab = [b"<%d>" % i for i in range(vocab_size)]
     print(
         "| context tokens | validate + request (us) | output cache lookup (us) "
-        "| batch-cost estimate (us) | row copy (us) | total (us) | vs the shortest |"
+        "| batch-cost estimate (us) | row view (us) | total (us) | vs the shortest |"
     )
     print("|---|---|---|---|---|---|---|")
     first_total = None
@@ -57,21 +57,22 @@ def main(argv=None) -> None:
         prompt, own = token_draws(vocab_size, args.particles, 2, length - 2, seed=1)
         # The previous step: each particle's context computed, its row cached.
         llm.batch_next_token_logprobs_sync([prompt + own[i][:1] for i in range(args.particles)])
-        row = llm.next_token_logprobs_sync(prompt + own[0][:1])
-        phases: dict[str, list[float]] = {"requests": [], "cached": [], "cost": [], "copy": []}
+        block = llm.batch_next_token_logprobs_sync([prompt + own[i][:1] for i in range(2)])
+        phases: dict[str, list[float]] = {"requests": [], "cached": [], "cost": [], "view": []}
         for _ in range(args.repeats):
             for i in range(args.particles):
                 context = prompt + own[i][:2]  # a new list, as a client makes it
                 t0 = time.perf_counter()
-                (request,) = llm.requests([context], None, argument=None)
+                request = llm.request(context)
                 t1 = time.perf_counter()
-                assert llm.engine.cached_rows([request])[0] is None
+                assert llm.output_cache.get_many([request])[0] is None
                 t2 = time.perf_counter()
                 runner.request_tokens(request)
                 t3 = time.perf_counter()
-                own_copy(row)
+                block.unbind(0)
                 t4 = time.perf_counter()
-                for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                spans = (t1 - t0, t2 - t1, t3 - t2, (t4 - t3) / len(block))
+                for name, seconds in zip(phases, spans):
                     phases[name].append(seconds * 1e6)
         medians = [statistics.median(v) for v in phases.values()]
         total = sum(medians)

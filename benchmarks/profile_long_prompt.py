@@ -79,21 +79,17 @@ def main(argv=None) -> None:
     llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(vocab_size)])
     totals: collections.Counter = collections.Counter()
     runner = llm.runner
-    for name in (
-        "run",
-        "_lookup",
-        "_plan",
-        "_forward",
-        "request_tokens",
-        "_cache_over",
-        "_block_with_pasts",
-    ):
-        wrap(runner, name, totals)
+    wrap(runner, "run", totals)
+    wrap(runner, "request_tokens", totals)
+    for name in ("lookup", "execute"):
+        wrap(runner.driver, name, totals)
+    for name in ("forward", "_block_with_pasts"):
+        wrap(runner.executor, name, totals)
+    wrap(hf_runner.planner, "pass_inputs", totals)
     wrap(runner.kv_tree, "commit", totals)
     wrap(runner.model, "forward", totals, "model forward")
-    wrap(hf_runner.layout, "inputs", totals)
     wrap(llm._contexts, "validate", totals, "validation")
-    wrap(llm.output_cache, "put_many", totals, "output cache put")
+    wrap(llm.output_cache, "put_rows", totals, "output cache put")
 
     prompt, _ = token_draws(vocab_size, particles, steps, prompt_tokens)
     floor_prompt, floor_own = token_draws(vocab_size, particles, steps, 64)

@@ -22,10 +22,13 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
-if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("GENLM_EXACT_FUSED") == "1":
-    from tests.triton_emulation import row_independent_products
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import triton_emulation
 
-    row_independent_products()
+    if os.environ.get("GENLM_EXACT_FUSED") == "1":
+        triton_emulation.row_independent_products()
+    else:
+        triton_emulation.bfloat16_products()
 
 TOKENIZER_NAMES = tuple(assets.NPM_TOKENIZERS)
 

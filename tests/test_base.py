@@ -143,45 +143,65 @@ def record_runner_outputs(llm) -> list[torch.Tensor]:
 async def test_a_batch_computed_for_its_caller_alone_is_the_runner_output_itself(
     output_cache_bytes,
 ):
-    # A cache that keeps copies (as a server's client does: its rows are lent memory).
-    llm = make_llm(output_cache_bytes=output_cache_bytes, output_cache_views=False)
+    llm = make_llm(output_cache_bytes=output_cache_bytes)
     outputs = record_runner_outputs(llm)
     contexts = [[1, 2], [1, 3], [4]]
     batch = await llm.batch_next_token_logprobs(contexts)
     sync = llm.batch_next_token_logprobs_sync([[5, 6], [7]])
-    one = await llm.batch_next_token_logprobs([[8]])  # a one-row output: the cache copies it too
+    one = await llm.batch_next_token_logprobs([[8]])
     assert [r.data_ptr() for r in (batch, sync, one)] == [out.data_ptr() for out in outputs]
+    if output_cache_bytes:  # the cache holds views of the same output: no copy made
+        held = llm.output_cache.get(Request(None, (1, 3)))
+        assert held.untyped_storage().data_ptr() == outputs[0].data_ptr()
     for rows, batch_contexts in ((batch, contexts), (sync, [[5, 6], [7]]), (one, [[8]])):
         expected = torch.stack([reference(context) for context in batch_contexts])
         torch.testing.assert_close(rows, expected, atol=TOL, rtol=0)
-        rows.fill_(0.0)  # the caller's own: later results (cached or not) are unchanged
+        rows.fill_(0.0)  # the caller's own: the cache drops its views, later results are unchanged
     for context in contexts + [[5, 6], [7], [8]]:
         torch.testing.assert_close(
             await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
         )
+    assert llm.stats.num_output_cache_hits == 0 and llm.stats.num_contexts_computed == 12
     llm.close()
 
 
-async def test_a_batch_is_a_copy_when_the_output_cache_holds_views_of_the_runner_output():
-    llm = make_llm()  # the default: the cache holds the batch's rows as views, uncopied
+async def test_a_particle_s_row_is_a_view_of_its_step_s_output():
+    llm = make_llm()
+    outputs = record_runner_outputs(llm)
+    contexts = [[1], [2], [3]]
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert len(outputs) == 1 and all(row._base is outputs[0] for row in rows)
+    rows[1].fill_(0.0)  # one caller's write: nobody else's row changes, no cached row is served
+    for row, context in zip((rows[0], rows[2]), ([1], [3])):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    again = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    for row, context in zip(again, contexts):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)
+    assert llm.stats.num_output_cache_hits == 0  # the step's output was written to: recomputed
+    llm.close()
+
+
+async def test_a_cache_of_copies_lets_the_runner_output_go_with_its_callers():
+    """``output_cache_views=False`` (a client of a server, whose rows are lent memory): the
+    callers hold the runner's output, the cache copies of its rows."""
+    llm = make_llm(output_cache_views=False)
     outputs = record_runner_outputs(llm)
     contexts = [[1, 2], [1, 3], [4]]
     batch = await llm.batch_next_token_logprobs(contexts)
-    sync = llm.batch_next_token_logprobs_sync([[5, 6], [7]])
-    assert {r.data_ptr() for r in (batch, sync)}.isdisjoint(o.data_ptr() for o in outputs)
+    assert batch.data_ptr() == outputs[0].data_ptr()  # the callers' rows: no copy
     held = llm.output_cache.get(Request(None, (1, 3)))
-    assert held.untyped_storage().data_ptr() == outputs[0].data_ptr()  # no copy made
-    batch.fill_(0.0)
-    sync.fill_(0.0)
-    for context in contexts + [[5, 6], [7]]:
+    assert held.untyped_storage().data_ptr() != outputs[0].data_ptr()  # the cache's own copy
+    outputs[0].fill_(0.0)  # whatever becomes of the runner's output, the cache's rows stay
+    for context in contexts:
         torch.testing.assert_close(
             await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
         )
+    assert llm.stats.num_output_cache_hits == 3
     llm.close()
 
 
-async def test_a_batch_sharing_rows_with_other_callers_is_a_copy_of_its_own():
-    llm = make_llm(output_cache_bytes=0, output_cache_views=False)
+async def test_a_batch_sharing_rows_with_other_callers_shares_no_memory_with_them():
+    llm = make_llm(output_cache_bytes=0)
     outputs = record_runner_outputs(llm)
     for joiner in (
         llm.next_token_logprobs([1, 3]),
@@ -192,11 +212,11 @@ async def test_a_batch_sharing_rows_with_other_callers_is_a_copy_of_its_own():
             llm.batch_next_token_logprobs([[1, 2], [1, 3]]), joiner
         )
         assert outputs[-1].shape[0] == 2
-        assert batch.data_ptr() != outputs[-1].data_ptr()
+        assert batch.untyped_storage().data_ptr() != joined.untyped_storage().data_ptr()
         batch.fill_(0.0)
         torch.testing.assert_close(joined.reshape(-1), reference([1, 3]), atol=TOL, rtol=0)
     # A batch with a cached row, or the same context twice, is stacked too.
-    cached = make_llm(output_cache_views=False)
+    cached = make_llm()
     await cached.next_token_logprobs([1, 2])
     outputs = record_runner_outputs(cached)
     for batch_contexts in ([[1, 2], [4, 4]], [[5], [5]]):

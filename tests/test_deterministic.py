@@ -21,11 +21,12 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from genlm_backend.batching import BatchingConfig
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm import AsyncTransformer, MockAsyncLM
 from genlm_backend.llm import engine as engine_module
-from genlm_backend.llm.engine import BatchingConfig
-from genlm_backend.llm.hf import compat, exact, exact_spans
+from genlm_backend.llm.hf import exact
+from genlm_backend.llm.hf.exact import spans as exact_spans
 from genlm_backend.llm.hf.runner import HFRunner
 from tests import conftest
 from tests.conftest import build_tiny_llama
@@ -168,7 +169,7 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces, monk
     if device == "emulated" and interpreted():
         pytest.skip("emulated graphs replay torch operations; interpreted Triton kernels are not")
     if device == "emulated":
-        monkeypatch.setattr(compat, "span_exact_attention", exact.exact_attention)
+        monkeypatch.setattr(exact, "span_exact_attention", exact.exact_attention)
     model = build_tiny_llama(VOCAB).to(
         device="cpu" if device == "emulated" else device, dtype=dtype
     )

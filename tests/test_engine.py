@@ -18,14 +18,11 @@ import threading
 import pytest
 import torch
 
+from genlm_backend.batching import BatchingConfig, CpuThreads, WaitingCalls
 from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.engine import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    BatchingConfig,
-    CpuThreads,
-    WaitingCalls,
-)
+from genlm_backend.llm.base import DEFAULT_CHUNK_TOKENS
+from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS
 
 VOCAB = [bytes([b]) for b in range(32)]
 TOL = 1e-6
@@ -164,7 +161,9 @@ def test_count_and_budget_both_bound_a_step():
 
 async def test_a_burst_of_calls_is_one_step_by_default():
     llm = make_llm()
-    assert llm.batching == BatchingConfig(max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
+    assert llm.batching == BatchingConfig(
+        max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, chunk_tokens=DEFAULT_CHUNK_TOKENS
+    )
     recording = Recording(llm)
     contexts = [(i % 32, i // 32) for i in range(150)]
     rows = await bounded(asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts)))
@@ -382,7 +381,7 @@ async def test_a_dead_loop_fails_its_calls_with_the_cause_and_the_next_call_star
     llm = make_llm(timeout_s=LONG_S)
     Recording(llm)
     bug = LoopBug("the serve loop broke")
-    state = llm.engine._loop_state(asyncio.get_running_loop())
+    state = llm.engine.batcher._state(asyncio.get_running_loop())
 
     def broken_take():
         raise bug
@@ -393,10 +392,10 @@ async def test_a_dead_loop_fails_its_calls_with_the_cause_and_the_next_call_star
     )
     for outcome in outcomes:
         assert isinstance(outcome, BatcherWorkerDiedError) and outcome.__cause__ is bug
-    with caplog.at_level(logging.WARNING, logger="genlm_backend.llm.engine"):
+    with caplog.at_level(logging.WARNING, logger="genlm_backend.batching"):
         check_rows([await bounded(llm.next_token_logprobs([1]))], [(1,)])
     assert llm.engine.num_loop_restarts == 1
-    assert "restarting an engine loop" in caplog.text
+    assert "restarting a genlm engine loop" in caplog.text
     await llm.aclose()
 
 
@@ -456,7 +455,7 @@ def test_one_engine_serves_several_asyncio_runs_and_forgets_their_loops():
             return await asyncio.gather(*(llm.next_token_logprobs([run, i]) for i in range(3)))
 
         check_rows(asyncio.run(main()), [(run, i) for i in range(3)])
-    assert len(llm.engine._loops) == 1  # the finished runs' states were dropped
+    assert len(llm.engine.batcher._loops) == 1  # the finished runs' states were dropped
     assert llm.stats.num_batches == 3
     llm.close()
 
@@ -510,7 +509,7 @@ def test_short_steps_are_judged_together():
 def test_a_step_in_the_loop_runs_on_its_thread_count_and_gives_the_thread_its_own_back():
     own = torch.get_num_threads()
     llm = make_llm()
-    llm.engine.cpu_threads = CpuThreads(own + 1)
+    llm.engine.batcher.cpu_threads = CpuThreads(own + 1)
     counts = []
     run = llm.runner.run
     llm.runner.run = lambda requests: counts.append(torch.get_num_threads()) or run(requests)
@@ -567,13 +566,14 @@ def completion_log(llm, calls: dict) -> tuple[list, asyncio.Future]:
 
 
 @pytest.mark.parametrize("rounds", [False, True])
-async def test_in_rounds_a_call_with_a_cached_row_completes_in_its_turn(rounds):
+async def test_a_call_with_a_cached_row_completes_in_its_turn(rounds):
+    """The output cache is read by the step: a cached row is settled with the calls taken beside it."""
     llm = make_llm(timeout_s=None, rounds=rounds)
     llm.next_token_logprobs_sync([5])
     log, done = completion_log(llm, {"a": [1, 2], "cached": [5], "c": [3]})
     check_rows(await bounded(done), [[1, 2], [5], [3]])
-    order = [name for name, _ in log]
-    assert order == (["a", "cached", "c"] if rounds else ["cached", "a", "c"])
+    assert [name for name, _ in log] == ["a", "cached", "c"]
+    assert llm.stats.num_output_cache_hits == 1
     await llm.aclose()
 
 
@@ -662,7 +662,7 @@ async def test_in_rounds_a_program_repeats_whatever_else_calls(compute_in_loop):
 
 
 def test_lm_options_map_to_one_config_and_fail_naming_the_field():
-    llm = make_llm(batch_size=5, timeout_s=0.5, max_batch_tokens=None)
+    llm = make_llm(batch_size=5, timeout_s=0.5, max_batch_tokens=None, chunk_tokens=None)
     assert llm.batching == llm.engine.config == BatchingConfig(max_batch_size=5, timeout_s=0.5)
     assert (llm.batch_size, llm.timeout_s) == (5, 0.5)
     with pytest.raises(ValueError, match="max_batch_tokens must be"):
@@ -671,4 +671,8 @@ def test_lm_options_map_to_one_config_and_fail_naming_the_field():
         make_llm(batch_size=0)
     with pytest.raises(ValueError, match="cpu_threads must be"):
         make_llm(cpu_threads=2)
+    with pytest.raises(ValueError, match="chunk_tokens must be"):
+        make_llm(chunk_tokens=0)
+    with pytest.raises(TypeError, match="compute_in_loop must be a bool"):
+        make_llm(compute_in_loop="yes")
     llm.close()

@@ -1,4 +1,4 @@
-"""Exact attention's fused kernels (``genlm_backend.llm.hf.exact_fused``): the same function as the torch order's.
+"""Exact attention's fused kernels (``genlm_backend.llm.hf.exact.fused``): the same function as the torch order's.
 
 They run where Triton compiles them (CUDA, ``-m gpu``) or under its
 interpreter (``TRITON_INTERPRET=1 GENLM_EXACT_FUSED=1``, products made
@@ -89,7 +89,7 @@ def test_fused_rows_agree_with_the_torch_order_and_a_plain_forward(device, monke
 def test_row_means_are_means_and_a_row_s_bits_do_not_depend_on_the_others(device):
     """An RMS norm's mean under :class:`RowMeans`: torch's mean within rounding, and a row's
     bits the same alone, among 5 rows, and among 300 (torch's CUDA launch shape follows the count)."""
-    from genlm_backend.llm.hf.exact_fused import RowMeans, row_means
+    from genlm_backend.llm.hf.exact.fused import RowMeans, row_means
 
     torch.manual_seed(0)
     x = torch.randn(300, 2048, device=device)
@@ -100,3 +100,44 @@ def test_row_means_are_means_and_a_row_s_bits_do_not_depend_on_the_others(device
     assert torch.equal(means[2], row_means(x.pow(2), keepdim=True))  # the mode computed them
     assert means[0].shape == (1, 1) and untouched.shape == (2048,)
     assert torch.equal(means[0], means[1][:1]) and torch.equal(means[1], means[2][:5])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("readers", ["every row", "rows 0 and 2", "no level"])
+def test_fused_kernels_fold_a_small_step_as_plain_attention_does(device, readers):
+    """Both kernels at a small shape, called directly: a captured step's layout (3 rows, 4 query
+    heads over 2, head size 16, 64 own slots) behind a 256-token level read by every row, by
+    rows 0 and 2, or no level; against attention over each row's keys put together, and the
+    torch operations' order."""
+    from genlm_backend.cache.kv_block import KVBlock
+    from genlm_backend.llm.hf.attention import Level
+    from genlm_backend.llm.hf.exact.fused import fused_exact_attention
+
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(3, 4, 1, 16, generator=generator).to(device)  # [B, Hq, 1, D]
+    level_kv = torch.randn(2, 1, 2, 256, 16, generator=generator).to(device)
+    own_keys, own_values = torch.randn(2, 3, 2, 64, 16, generator=generator).to(device)
+    writes = torch.tensor([10, 63, 30], device=device)  # each row's last own slot
+    rows = None if readers == "every row" else torch.tensor([0, 2], device=device)
+    levels = [] if readers == "no level" else [(Level(KVBlock(level_kv[None]), 0, 0, 256, rows), 0)]
+    layout = exact.ExactLayout.of_step(
+        splits=torch.full((3,), 256 if levels else 0, device=device),
+        firsts=torch.zeros(3, dtype=torch.long, device=device),
+        writes=writes,
+        levels=levels,
+        num_groups=2,
+        num_slots=64,
+    )
+    fused = fused_exact_attention(0, query, own_keys, own_values, 0.25, layout)  # [B, 1, Hq, D]
+    torch_order = exact.exact_attention(0, query, own_keys, own_values, 0.25, layout)
+    torch.testing.assert_close(fused, torch_order, atol=1e-5, rtol=0)
+    for row in range(3):
+        reads_level = levels and (rows is None or row in (0, 2))
+        keys = [own_keys[row, :, : writes[row] + 1]]
+        values = [own_values[row, :, : writes[row] + 1]]
+        if reads_level:
+            keys, values = [level_kv[0, 0], *keys], [level_kv[1, 0], *values]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[row], torch.cat(keys, 1), torch.cat(values, 1), scale=0.25, enable_gqa=True
+        )  # [Hq, 1, D]
+        torch.testing.assert_close(fused[row], expected.transpose(0, 1), atol=1e-5, rtol=0)

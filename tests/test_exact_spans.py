@@ -1,6 +1,6 @@
 """What the CPU's span order takes from torch's CPU attention kernel, checked on this machine.
 
-:mod:`genlm_backend.llm.hf.exact_spans` hands the kernel a fixed number of keys
+:mod:`genlm_backend.llm.hf.exact.spans` hands the kernel a fixed number of keys
 per batch entry and a multiple of 16 queries, and relies on a query's output and
 log-sum-exp then having the same bits whatever else the call holds. These tests
 hold the kernel to that; the rows themselves are checked against rows computed
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from genlm_backend.llm.hf.exact import BLOCK_TOKENS, SPAN_TOKENS, exp_of_difference
-from genlm_backend.llm.hf.exact_spans import QUERY_ROWS, padded_queries
+from genlm_backend.llm.hf.exact.spans import QUERY_ROWS, padded_queries
 
 flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 HEAD = 64

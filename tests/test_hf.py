@@ -98,10 +98,16 @@ async def test_cached_results_are_fresh_tensors(tiny_llama):
     model, tokenizer = tiny_llama
     llm = AsyncTransformer(model, tokenizer)
     first = await llm.next_token_logprobs([4, 5, 6])
-    first.fill_(0.0)
+    first.fill_(0.0)  # the cache's row of it is dropped, not served
     second = await llm.next_token_logprobs([4, 5, 6])
     assert_matches_reference(llm, [4, 5, 6], second)
+    assert llm.stats.num_output_cache_hits == 0 and llm.stats.num_contexts_computed == 2
+    third = await llm.next_token_logprobs([4, 5, 6])  # from the cache: a copy of its own
+    third.fill_(2.0)
+    assert_matches_reference(llm, [4, 5, 6], second)
     assert llm.stats.num_output_cache_hits == 1
+    assert_matches_reference(llm, [4, 5, 6], await llm.next_token_logprobs([4, 5, 6]))
+    assert llm.stats.num_output_cache_hits == 2
 
 
 async def test_cache_kv_and_clear_kv_cache(tiny_llama):

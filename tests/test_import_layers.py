@@ -81,9 +81,17 @@ LAYERS_BELOW = {
         "genlm_backend.trie",
     ),
     "genlm_backend.llm": ("genlm_backend.serve", "genlm_backend.trie", "genlm_backend.cli"),
+    "genlm_backend.batching": (
+        "genlm_backend.cache",
+        "genlm_backend.llm",
+        "genlm_backend.serve",
+        "genlm_backend.trie",
+    ),
+    "genlm_backend.trie": ("genlm_backend.llm", "genlm_backend.serve", "genlm_backend.cli"),
 }
 """A layer and the layers above it, which it never imports: the KV tree, its planner and the
-output cache call no model; a backend (``RemoteLM`` included) knows no server."""
+output cache call no model; a backend (``RemoteLM`` included) knows no server; the batcher
+knows no model, and the trie, which batches with it, no language model."""
 
 
 def test_no_module_imports_a_layer_above_its_own():

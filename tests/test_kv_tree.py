@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.cache.kv_block import extendable_block
 from genlm_backend.cache.kv_tree import (
     NUM_RECENT_CONTEXTS,
     KVBlock,
@@ -17,6 +16,7 @@ from genlm_backend.cache.kv_tree import (
     KVPrefixTree,
     Placement,
 )
+from genlm_backend.cache.plan import extendable_block
 
 NUM_LAYERS = 2
 

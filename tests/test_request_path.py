@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import threading
 
@@ -21,17 +22,18 @@ ROOT = os.path.dirname(genlm_backend.__file__)
 
 PATH = {
     "llm/base.py",
+    "batching.py",
     "llm/engine.py",
     "llm/runner.py",
     "llm/hf/runner.py",
     "llm/hf/compat.py",
     "cache/plan.py",
     "cache/kv_tree.py",
-    "cache/kv_block.py",
     "cache/output.py",
 }
-"""The nine modules: the front, the engine, the runner seam, the transformers runner and
-its internals, the planner, the KV tree and its blocks, the output cache."""
+"""The nine modules: the front, the batcher, the engine, the runner seam with the prefix-cache
+driver, the transformers runner with its executor and its internals, the planner, the KV
+tree (its blocks' data read in place), the output cache."""
 
 
 def modules_of_one_step() -> set[str]:
@@ -70,3 +72,21 @@ def modules_of_one_step() -> set[str]:
 
 def test_a_particle_step_runs_code_in_nine_modules():
     assert modules_of_one_step() == PATH
+
+
+def test_a_default_step_imports_nothing_of_deterministic_mode():
+    """Exact rows are a package of their own, imported only by a runner asked for them."""
+    script = (
+        "import asyncio, sys\n"
+        "from genlm_backend.llm.hf import AsyncTransformer\n"
+        "from tests.conftest import build_tiny_llama\n"
+        "llm = AsyncTransformer(build_tiny_llama(256), None, "
+        "byte_vocab=[bytes([i]) for i in range(256)])\n"
+        "asyncio.run(llm.next_token_logprobs([1, 2, 3]))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('genlm_backend.llm.hf.exact')))\n"
+    )
+    root = os.path.dirname(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr

@@ -143,13 +143,20 @@ async def test_the_mock_scores_from_its_rows():
     assert again.tolist() == scores.tolist()
 
 
-async def test_scoring_passes_hold_a_bounded_number_of_logits(tiny_llama, monkeypatch):
+async def test_scoring_passes_hold_a_bounded_number_of_logits(tiny_llama):
     """Past ``max_score_reads`` positions, continuations are cut into pieces scored in turn."""
-    from genlm_backend.llm.hf.runner import HFRunner
-
     model, tokenizer = tiny_llama
-    monkeypatch.setattr(HFRunner, "max_score_reads", property(lambda self: 3))
     llm = AsyncTransformer(model, tokenizer)
+    driver = llm.runner.driver
+    driver.max_score_reads = 3
+    reads = []
+    run_pass = driver.executor.run_pass
+
+    def counting_pass(plan, namespace):
+        reads.append(len(plan.reads))
+        return run_pass(plan, namespace)
+
+    driver.executor.run_pass = counting_pass
     rng = random.Random(5)
     context = tokens(rng, 9)
     continuations = [tokens(rng, n) for n in (1, 5, 7)]
@@ -157,4 +164,5 @@ async def test_scoring_passes_hold_a_bounded_number_of_logits(tiny_llama, monkey
     for continuation, found in zip(continuations, scores):
         expected = expected_scores(model, context, continuation, llm.vocab_size)
         torch.testing.assert_close(found, expected, atol=ATOL, rtol=0)
+    assert max(reads) <= 3 and sum(reads) == 1 + 5 + 7  # every position read once, 3 at most a pass
     assert llm.stats.num_batches == 1  # one batch of the batcher, several passes of the model

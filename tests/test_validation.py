@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genlm_backend.cache.kv_tree import context_hash
 from genlm_backend.llm import MockAsyncLM
 from genlm_backend.llm.base import (
     RecentContexts,
@@ -124,21 +125,22 @@ def test_a_context_extending_a_recent_one_is_checked_as_a_new_one(prefix, last, 
         with pytest.raises(type(exc)):
             recent.validate(token_ids)
         return
-    context, _ = recent.validate(token_ids)
+    context, _, hashed = recent.validate(token_ids)
     assert context == expected and all(type(t) is int for t in context)
+    assert hashed == context_hash(context)
 
 
 def test_a_context_one_token_past_a_recent_one_names_it_as_its_parent():
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
-    first, none = recent.validate([i % VOCAB_SIZE for i in range(300)])
+    first, none, _ = recent.validate([i % VOCAB_SIZE for i in range(300)])
     assert none is None
-    second, parent = recent.validate([i % VOCAB_SIZE for i in range(300)] + [7])
+    second, parent, _ = recent.validate([i % VOCAB_SIZE for i in range(300)] + [7])
     assert parent is first and second == (*first, 7)
-    _, parent = recent.validate(list(second) + [8])
+    _, parent, _ = recent.validate(list(second) + [8])
     assert parent is second
-    _, parent = recent.validate(list(first) + [9])  # first is still recent: a sibling
+    _, parent, _ = recent.validate(list(first) + [9])  # first is still recent: a sibling
     assert parent is first
-    _, parent = recent.validate([5, *first[1:], 7])  # same length and last tokens, another start
+    _, parent, _ = recent.validate([5, *first[1:], 7])  # same length and last tokens, another start
     assert parent is None
 
 
@@ -174,7 +176,7 @@ def test_a_recent_parent_never_lets_a_bad_context_through():
 def test_a_prefix_equal_in_value_only_is_taken_as_the_recent_plain_ints():
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
     recent.validate([1, 2, 3])
-    context, parent = recent.validate([np.int64(1), 2, 3, 4])
+    context, parent, _ = recent.validate([np.int64(1), 2, 3, 4])
     assert context == (1, 2, 3, 4) and all(type(t) is int for t in context)
     assert parent == (1, 2, 3)
 
@@ -184,7 +186,7 @@ def test_recent_contexts_hold_at_most_their_token_budget():
     for start in range(40):
         recent.validate([start % VOCAB_SIZE] * 10)
     assert recent._num_tokens <= 100 and len(recent._by_hash) == 10
-    _, parent = recent.validate([39 % VOCAB_SIZE] * 10 + [1])  # the latest are kept
+    _, parent, _ = recent.validate([39 % VOCAB_SIZE] * 10 + [1])  # the latest are kept
     assert parent is not None
-    _, parent = recent.validate([0] * 10 + [1])  # the oldest were forgotten
+    _, parent, _ = recent.validate([0] * 10 + [1])  # the oldest were forgotten
     assert parent is None

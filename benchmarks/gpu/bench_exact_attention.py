@@ -5,7 +5,7 @@ once), each with an own part of O keys; the 8B shape's heads by default
 (32 query heads, 8 key/value heads, head size 128), bfloat16. Times, with
 CUDA graphs replayed (``triton.testing.do_bench_cudagraph``):
 
-* ``fused``: :func:`genlm_backend.llm.hf.exact_fused.fused_exact_attention`
+* ``fused``: :func:`genlm_backend.llm.hf.exact.fused.fused_exact_attention`
   (the fixed fold, two kernels);
 * ``torch``: :func:`genlm_backend.llm.hf.exact.exact_attention`'s torch
   operations (the other fixed order);
@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     import triton.testing
 
-    from genlm_backend.llm.hf.exact_fused import fused_exact_attention
+    from genlm_backend.llm.hf.exact.fused import fused_exact_attention
 
     dtype = getattr(torch, args.dtype)
     rows, (num_q, num_kv), dim = args.rows, args.heads, args.head_dim

@@ -63,6 +63,18 @@ kernels() {
     part kernels_8b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 128
     part kernels_1b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 64
 }
+# One level's read split along its keys: its tests on the device (against the torch reference,
+# torch's unsplit attention and the runner's plain forward), then against one flash call and the
+# floor: 8B and 1B heads, 64 rows behind levels of 1K, 4K and 16K keys; the automatic chunk and
+# fixed ones.
+split_level() {
+    part split_level_tests 90 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
+        tests/test_split_level.py
+    part split_level_8b 60 python3 benchmarks/gpu/bench_split_level.py --heads 32 8 --head-dim 128 \
+        --keys 1024 4096 16384
+    part split_level_1b 45 python3 benchmarks/gpu/bench_split_level.py --heads 32 8 --head-dim 64 \
+        --keys 1024 4096 16384
+}
 # One draw from a 128k row on this host's CPU (a served client's draws), against the softmax formula.
 sampling() { part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300; }
 # A batch call's auto-batching over its runner on this host's CPU (no model: the per-key cost).
@@ -107,7 +119,7 @@ paired_8b() {
         --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
 }
 
-ORDER="step_8b step_1b tests exact_rows exact_rows_refused kernels step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
+ORDER="step_8b step_1b tests exact_rows exact_rows_refused kernels split_level step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
 for name in ${PARTS:-$ORDER}; do
     [[ " $ORDER " == *" $name "* ]] || { echo "== $name: no such part (parts: $ORDER)"; exit 2; }
     "$name"

@@ -39,6 +39,8 @@ class KVBlock:
         self._bind(stacked)
         self.nbytes = stacked.numel() * stacked.element_size()
         self.num_live_entries = 0
+        self.num_rows: int = stacked.shape[2]
+        self.num_slots: int = stacked.shape[4]
         self.row_ends: list[int] = [0] * stacked.shape[2]
         """Per row, the end of its written slots: slots past it are free to write."""
 
@@ -63,14 +65,6 @@ class KVBlock:
     def empty(cls, num_layers: int, shape, dtype: torch.dtype, device) -> KVBlock:
         """A block of ``num_layers`` layers whose keys and values are ``shape`` (``[B, H, T, D]``), not initialized."""
         return cls(torch.empty(num_layers, 2, *shape, dtype=dtype, device=device))
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_ends)
-
-    @property
-    def num_slots(self) -> int:
-        return self.stacked.shape[4]
 
     @property
     def bytes_per_slot(self) -> int:
@@ -148,12 +142,6 @@ class KVEntry:
     dependents: set[KVEntry] = field(default_factory=set, repr=False)
     """Live entries whose ``parent`` this is."""
 
-    def __post_init__(self):
-        if (self.parent is None) != (self.offset == 0):
-            raise ValueError(
-                f"an entry with offset {self.offset} needs a parent exactly when offset > 0"
-            )
-
     @property
     def context_length(self) -> int:
         return self.offset + self.length
@@ -229,32 +217,3 @@ class Placement:
     start: int
     offset: int = 0
     parent: KVEntry | None = None
-
-
-def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
-    """The block a batch of one-token steps may write into in place, or ``None``.
-
-    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-    row ``i`` extends, by one token, the whole context of an entry held
-    by row ``i`` of one block; those entries' spans all end at the same
-    slot, which is their row's last written slot (so the slot written now
-    belongs to no other entry), and a free slot is left. That is the SMC
-    step without resampling; anything else is copied into a new block.
-    """
-    first = steps[0][0] if steps else None
-    if first is None:
-        return None
-    block, end = first.block, first.start + first.length
-    if block.num_rows != len(steps) or end >= block.num_slots:
-        return None
-    for i, (entry, reused) in enumerate(steps):
-        if (
-            entry is None
-            or entry.block is not block
-            or entry.row != i
-            or reused != entry.context_length
-            or entry.start + entry.length != end
-            or block.row_ends[i] != end
-        ):
-            return None
-    return block

@@ -303,9 +303,11 @@ class KVPrefixTree:
 
     def _touch(self, entry: KVEntry) -> None:
         # Ancestors after the entry: a parent is never less recently used than its dependents.
-        self._lru.move_to_end(id(entry))
-        for ancestor in entry.ancestors():
-            self._lru.move_to_end(id(ancestor))
+        lru = self._lru
+        found: KVEntry | None = entry
+        while found is not None:
+            lru.move_to_end(id(found))
+            found = found.parent
 
     def reserve(self, nbytes: int, pinned: Iterable[KVEntry] = ()) -> bool:
         """Evict least recently used entries until ``nbytes`` more fit in the budget.
@@ -315,8 +317,10 @@ class KVPrefixTree:
         """
         pinned_ids = set()
         for entry in pinned:
-            pinned_ids.add(id(entry))
-            pinned_ids.update(id(ancestor) for ancestor in entry.ancestors())
+            held: KVEntry | None = entry
+            while held is not None:  # the entry and its ancestors
+                pinned_ids.add(id(held))
+                held = held.parent
         for entry_id in list(self._lru):
             if self._bytes_held + nbytes <= self.budget_bytes:
                 break
@@ -356,11 +360,15 @@ class KVPrefixTree:
             ValueError: ``entry`` does not hold ``len(context)`` tokens, or
                 its parent is not cached under ``namespace``.
         """
-        if entry.context_length != len(context):
+        if entry.offset + entry.length != len(context):
             raise ValueError(
-                f"entry holds {entry.context_length} tokens for a context of {len(context)}"
+                f"entry holds {entry.offset + entry.length} tokens for a context of {len(context)}"
             )
         parent = entry.parent
+        if (parent is None) != (entry.offset == 0):
+            raise ValueError(
+                f"an entry with offset {entry.offset} needs a parent exactly when offset > 0"
+            )
         if parent is not None and (
             self._lru.get(id(parent)) is not parent or parent.namespace != namespace
         ):
@@ -420,7 +428,7 @@ class KVPrefixTree:
 
         A new block is first made room for (see :meth:`reserve`); if
         it does not fit, nothing is kept and ``False`` is returned. Records
-        where each row's written slots end, which :func:`~genlm_backend.cache.kv_block.extendable_block`
+        where each row's written slots end, which :func:`~genlm_backend.cache.plan.extendable_block`
         relies on.
         """
         pinned = [p.parent for p in placements if p.parent is not None]

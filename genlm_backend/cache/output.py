@@ -33,10 +33,15 @@ class OutputCache:
       so that the budget counts every byte the cache keeps alive and the
       batch's tensor stays the caller's to change;
     * with ``keep_views``, the view itself, its whole base tensor (the *block*)
-      counted once while any of its rows is held: a batch's rows cost no copy.
-      The block is freed, and its bytes leave the count, when its last row is
-      evicted. Nobody may change a block whose rows the cache holds; a block
-      larger than the budget is never held (its rows are copied).
+      counted once while any of its rows is held: a batch's rows cost no copy
+      (:meth:`put_rows` keeps the block and each row's index, and makes a row's
+      view when it is asked for). The block is freed, and its bytes leave the
+      count, when its last row is evicted. A block larger than the budget is
+      never held (its rows are copied). The block's other holders may write to
+      it: a row is dropped, as if never stored, once its block's version
+      counter has moved (any in-place torch operation on the block or a view
+      of it moves it; a write through ``.numpy()`` or DLPack does not, and is
+      not seen).
 
     Also a mapping, as upstream genlm-backend's cache: ``cache[key] = tensor``,
     ``cache[key]`` (``KeyError`` when absent), ``key in cache``.
@@ -72,8 +77,14 @@ class OutputCache:
         self.move_to_cpu = move_to_cpu
         self.keep_views = keep_views
         self._devices: dict[Hashable, torch.device] = {}  # of entries moved to the CPU
-        self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
-        self._blocks: dict[int, list[int]] = {}  # storage address -> [bytes, rows held]
+        # key -> (storage address, row): row >= 0 is a row of the block held at that
+        # address; row < 0, the tensor in _tensors. Tuples of ints: the garbage collector
+        # stops tracking them, so a full cache costs a collection nothing per row.
+        self._entries: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
+        self._tensors: dict[Hashable, torch.Tensor] = {}
+        self._versions: dict[Hashable, int] = {}  # of views in _tensors: their block's then
+        # storage address -> [bytes, keys of its entries, block tensor or None, its version]
+        self._blocks: dict[int, list] = {}
         self._bytes_held = 0
         self._lock = threading.Lock()
         self._num_hits = self._num_misses = self._num_evictions = 0
@@ -84,14 +95,20 @@ class OutputCache:
 
     def get_many(self, keys: Sequence[Hashable]) -> list[torch.Tensor | None]:
         """:meth:`get` for each of ``keys``, in order, under one acquisition of the lock."""
+        values: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             entries = self._entries
-            values = [entries.get(key) for key in keys]
-            num_hits = 0
-            for key, value in zip(keys, values):
-                if value is not None:
-                    entries.move_to_end(key)
-                    num_hits += 1
+            for i, key in enumerate(keys):
+                entry = entries.get(key)
+                if entry is None:
+                    continue
+                value = self._value(key, entry)
+                if value is None:
+                    self._drop(key, evicted=False)  # its block was written to since
+                    continue
+                entries.move_to_end(key)
+                values[i] = value
+            num_hits = sum(value is not None for value in values)
             self._num_hits += num_hits
             self._num_misses += len(values) - num_hits
             if not self._devices:
@@ -100,6 +117,16 @@ class OutputCache:
                 value if value is None or key not in self._devices else value.to(self._devices[key])
                 for key, value in zip(keys, values)
             ]
+
+    def _value(self, key: Hashable, entry: tuple[int, int]) -> torch.Tensor | None:
+        """The tensor of an entry, ``None`` if its block was written to since it was stored."""
+        address, row = entry
+        if row >= 0:
+            _, _, block, version = self._blocks[address]
+            return block[row] if version is None or block._version == version else None
+        value = self._tensors[key]
+        version = self._versions.get(key)
+        return value if version is None or value._version == version else None
 
     def put(self, key: Hashable, value: torch.Tensor) -> None:
         """Store ``value``, evicting least recently used entries to stay within budget."""
@@ -128,7 +155,37 @@ class OutputCache:
             kept[i] = (key, copy, device)
         with self._lock:
             for key, value, device in kept:
-                self._store(key, value, device)
+                storage = value.untyped_storage()
+                self._store(key, storage.data_ptr(), -1, storage.nbytes(), None)
+                self._tensors[key] = value
+                if _tracks_writes(value):
+                    self._versions[key] = value._version
+                if device is not None:
+                    self._devices[key] = device
+
+    def put_rows(
+        self, keys: Sequence[Hashable], rows: Sequence[torch.Tensor], block: torch.Tensor
+    ) -> None:
+        """:meth:`put_many` of ``zip(keys, rows)``, where ``rows`` are the rows of ``block``
+        (``rows = block.unbind(0)``): with ``keep_views``, the block is held once with the
+        index of each key's row."""
+        storage = block.untyped_storage()
+        nbytes = storage.nbytes()
+        if not self.keep_views or self.move_to_cpu or nbytes > self.budget_bytes:
+            self.put_many(list(zip(keys, rows)))
+            return
+        if self.maxsize == 0:
+            return
+        address = storage.data_ptr()
+        version = block._version if not block.is_inference() else None
+        with self._lock:
+            held = self._blocks.get(address)
+            if held is not None and held[2] is not block:
+                # The memory of rows held is the runner's output again: those rows are stale.
+                for key in list(held[1]):
+                    self._drop(key, evicted=False)
+            for row, key in enumerate(keys):
+                self._store(key, address, row, nbytes, (block, version))
 
     def _copies(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is stored as a compact copy rather than as it is."""
@@ -137,11 +194,18 @@ class OutputCache:
             return storage_nbytes > self.budget_bytes
         return value._base is not None or storage_nbytes > _nbytes(value)
 
-    def _store(self, key: Hashable, value: torch.Tensor, device: torch.device | None) -> None:
-        """Hold ``value`` under ``key`` (lock held), evicting to make room."""
+    def _store(
+        self,
+        key: Hashable,
+        address: int,
+        row: int,
+        nbytes: int,
+        block: tuple[torch.Tensor, int | None] | None,
+    ) -> None:
+        """Hold ``key``'s entry ``(address, row)``, whose storage is ``nbytes`` at ``address``
+        (``block``: the tensor held there and its version, for a row of it), evicting to
+        make room (lock held)."""
         self._drop(key, evicted=False)
-        block = value.untyped_storage()
-        address, nbytes = block.data_ptr(), block.nbytes()
         held = self._blocks.get(address)
         size = 0 if held is not None else nbytes
         while self._entries and (
@@ -152,24 +216,27 @@ class OutputCache:
             held = self._blocks.get(address)  # the eviction may have freed this very block
             size = 0 if held is not None else nbytes
         if held is None:
-            held = self._blocks[address] = [nbytes, 0]
+            held = self._blocks[address] = [nbytes, set(), None, None]
             self._bytes_held += nbytes
-        held[1] += 1
-        self._entries[key] = value
-        if device is not None:
-            self._devices[key] = device
+        if block is not None and held[2] is None:
+            held[2], held[3] = block
+        held[1].add(key)
+        self._entries[key] = (address, row)
 
     def _drop(self, key: Hashable, evicted: bool) -> None:
         """Forget ``key``'s entry, if any; its block goes with its last row (lock held)."""
-        value = self._entries.pop(key, None)
-        if value is None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
             return
         self._devices.pop(key, None)
         self._num_evictions += evicted
-        address = value.untyped_storage().data_ptr()
+        address, row = entry
+        if row < 0:
+            del self._tensors[key]
+            self._versions.pop(key, None)
         held = self._blocks[address]
-        held[1] -= 1
-        if held[1] == 0:
+        held[1].discard(key)
+        if not held[1]:
             del self._blocks[address]
             self._bytes_held -= held[0]
 
@@ -193,6 +260,8 @@ class OutputCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._tensors.clear()
+            self._versions.clear()
             self._devices.clear()
             self._blocks.clear()
             self._bytes_held = 0
@@ -214,6 +283,11 @@ class OutputCache:
                 bytes_held=self._bytes_held,
                 budget_bytes=self.budget_bytes,
             )
+
+
+def _tracks_writes(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a view whose block's writes torch counts (not an inference tensor)."""
+    return value._base is not None and not value.is_inference()
 
 
 def _nbytes(value: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ new block (``P`` = longest own past, ``K`` = most new tokens)::
 
 A one-token step that extends, in every row, the whole context held by
 that row of one block writes into that block in place instead
-(:func:`~genlm_backend.cache.kv_block.extendable_block`): the SMC step, with no copy at all.
+(:func:`extendable_block`): the SMC step, with no copy at all.
 
 A context that is a prefix of another context of the batch, whose row
 computes the position after it, is not a row of its own: its next-token
@@ -37,14 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from genlm_backend.cache.kv_block import (
-    KVBlock,
-    KVEntry,
-    Piece,
-    Placement,
-    Segment,
-    extendable_block,
-)
+from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Segment
 
 
 @dataclass(frozen=True)
@@ -324,6 +317,39 @@ def shared_uncached_prefixes(
 # ---------------------------------------------------------------------- a pass's inputs
 
 
+@dataclass(frozen=True)
+class PassInputs:
+    """What an executor hands the model for one pass, read off its plan once.
+
+    Plain lists: an executor makes each one tensor (operations per row would
+    cost a batch of 64 particles hundreds of small operations).
+    """
+
+    tokens: list[list[int]]
+    """Each row's new tokens, ``[B][num_new]``, padded after its own."""
+    positions: list[list[int]]
+    """The positions of each row's new tokens, ``[B][num_new]`` (see :func:`positions`)."""
+    row_starts: list[int]
+    """The slot of each row's first own token in the pass's block (what its mask starts at)."""
+    copies: list[tuple[int, int, Segment]]
+    """``(row, slot, segment)``: each row's own pieces, right-aligned at slot ``num_past`` of
+    a new block (see :meth:`~genlm_backend.cache.kv_block.KVBlock.copy_in`); unused when the
+    pass extends a block in place."""
+    levels: list[tuple[Piece, list[int]]]
+    """The pass's distinct levels, each with the rows that read it (:func:`level_readers`)."""
+
+
+def pass_inputs(plan: PassPlan, max_positions: int) -> PassInputs:
+    """The pass's inputs (``max_positions``: the model's longest sequence)."""
+    return PassInputs(
+        tokens=new_tokens(plan),
+        positions=[positions(row.reused, plan.num_new, max_positions) for row in plan.rows],
+        row_starts=[plan.num_past - row.num_own_past for row in plan.rows],
+        copies=own_part_copies(plan) if plan.extends is None else [],
+        levels=level_readers(plan.rows),
+    )
+
+
 def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
     """``(row, slot, segment)``: each row's own pieces, right-aligned at slot ``plan.num_past``
     of the pass's new block (see :meth:`~genlm_backend.cache.kv_block.KVBlock.copy_in`)."""
@@ -341,29 +367,15 @@ def own_part_copies(plan: PassPlan) -> list[tuple[int, int, Segment]]:
 
 
 def new_tokens(plan: PassPlan) -> list[list[int]]:
-    """Each row's new tokens, ``[B][num_new]``, padded after its own.
-
-    Plain lists: a runner makes them one tensor (operations per row would
-    cost a batch of 64 particles hundreds of small operations).
-    """
+    """Each row's new tokens, ``[B][num_new]``, padded after its own."""
     num_new = plan.num_new
     return [[*row.context[row.reused :], *[0] * (num_new - row.num_new)] for row in plan.rows]
-
-
-def new_positions(plan: PassPlan, max_positions: int) -> list[list[int]]:
-    """The positions of each row's new tokens, ``[B][num_new]`` (see :func:`positions`)."""
-    return [positions(row.reused, plan.num_new, max_positions) for row in plan.rows]
 
 
 def positions(first: int, count: int, max_positions: int) -> list[int]:
     """``first, first + 1, ...`` (``count`` of them), held at the model's last position past it (padding)."""
     end = max(first, min(first + count, max_positions))
     return [*range(first, end), *[max_positions - 1] * (first + count - end)]
-
-
-def row_starts(plan: PassPlan) -> list[int]:
-    """The slot of each row's first own token in the pass's block (what its mask starts at)."""
-    return [plan.num_past - row.num_own_past for row in plan.rows]
 
 
 def level_readers(rows: Sequence[RowPlan]) -> list[tuple[Piece, list[int]]]:
@@ -382,3 +394,32 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
+    """The block a batch of one-token steps may write into in place, or ``None``.
+
+    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
+    row ``i`` extends, by one token, the whole context of an entry held
+    by row ``i`` of one block; those entries' spans all end at the same
+    slot, which is their row's last written slot (so the slot written now
+    belongs to no other entry), and a free slot is left. That is the SMC
+    step without resampling; anything else is copied into a new block.
+    """
+    first = steps[0][0] if steps else None
+    if first is None:
+        return None
+    block, end = first.block, first.start + first.length
+    if block.num_rows != len(steps) or end >= block.num_slots:
+        return None
+    for i, (entry, reused) in enumerate(steps):
+        if (
+            entry is None
+            or entry.block is not block
+            or entry.row != i
+            or reused != entry.offset + entry.length
+            or entry.start + entry.length != end
+            or block.row_ends[i] != end
+        ):
+            return None
+    return block

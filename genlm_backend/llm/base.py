@@ -1,9 +1,9 @@
 """The one :class:`AsyncLM`: the contract every backend serves, a thin front on its engine.
 
 A call validates its input and resolves its adapter here, then hands its
-requests to the :class:`~genlm_backend.llm.engine.Engine` (``rows``,
-``scores``; ``rows_now`` and ``scores_now`` for the synchronous calls), which
-batches them with every other waiting call and runs the backend's runner.
+requests to the :class:`~genlm_backend.llm.engine.Engine` (``results``;
+``results_now`` for the synchronous calls), which batches them with every
+other waiting call and runs the backend's runner.
 The adapter is resolved once, at the call, and travels in the request: it is
 part of the engine's, the output cache's and the KV tree's key.
 """
@@ -11,6 +11,7 @@ part of the engine's, the output cache's and the KV tree's key.
 from __future__ import annotations
 
 import asyncio
+import collections
 import marshal
 import threading
 from collections.abc import Sequence
@@ -18,16 +19,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from genlm_backend.batching import BatchingConfig, CpuThreads
 from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash
 from genlm_backend.cache.output import OutputCache
-from genlm_backend.llm.engine import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    AdapterRegistry,
-    BatchingConfig,
-    CpuThreads,
-    Engine,
-    EngineStats,
-)
+from genlm_backend.llm.adapters import AdapterRegistry
+from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS, Engine, EngineStats
 from genlm_backend.llm.runner import Request, Runner, ScoreRequest
 from genlm_backend.llm.sampling import (
     check_sampling_options,
@@ -41,6 +37,10 @@ from genlm_backend.llm.stats import LMStats
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB
+
+DEFAULT_CHUNK_TOKENS = 64
+"""Tokens a step in the event loop's thread computes at once (see ``AsyncLM``'s ``chunk_tokens``):
+a 64-token chunk of SmolLM2-135M's prefill takes about 60 ms on two CPU cores (BENCHMARKS.md)."""
 
 
 class AsyncLM:
@@ -63,7 +63,8 @@ class AsyncLM:
 
     Concurrency: concurrent ``await``\\ s on one event loop are batched by the
     backend's :class:`~genlm_backend.llm.engine.Engine`, whose steps run in the
-    event loop's thread (see the engine's module for why, and for servers). The
+    event loop's thread (``compute_in_loop``; see the engine's module for why,
+    and for servers), long ones in chunks with the loop running between them. The
     ``*_sync`` methods compute directly in the calling thread and work with or
     without a running loop. An object may serve several ``asyncio.run`` calls in turn.
 
@@ -82,22 +83,32 @@ class AsyncLM:
             (``None``: no limit; batches go when the event loop is idle).
         rounds: Calls complete in the order they were made, whatever the
             cache holds and whoever else calls (``rounds`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         max_batch_tokens: Most tokens per model batch, as the runner counts them
             (the part of each context it computes); ``None`` for no budget. A
             longer context goes alone.
         output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
+        compute_in_loop: Steps run in the event loop's thread (the default:
+            fastest where the particles all wait for them), blocking the loop
+            for at most a chunk at a time; ``False``: in one worker thread, the
+            loop free meanwhile (for applications that serve other work on
+            the loop). Settable later as ``llm.engine.compute_in_loop``.
+        chunk_tokens: Most tokens of one prefill a step in the loop's thread
+            computes at once: a longer prefill (a prompt's, a long context's)
+            goes in chunks of this many tokens, the loop running between them
+            (``None``: whole batches). Many short rows (particles' steps) are
+            one pass whatever their total; steps in a worker thread are not cut.
         max_context_length: Longest accepted context, ``None`` for no limit.
         device: Where returned tensors live.
         byte_vocab: Precomputed byte vocabulary; decoded from ``tokenizer`` when omitted.
         str_vocab: Precomputed string vocabulary (decoded from ``byte_vocab`` when omitted).
         cpu_threads: ``"auto"``: CPU steps adapt their torch threads to the cores
-            they get (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``:
+            they get (:class:`~genlm_backend.batching.CpuThreads`); ``None``:
             steps keep the thread's own count.
-        output_cache_views: The output cache holds the rows of a batch as views
-            of the runner's output (no copy; see
-            :class:`~genlm_backend.cache.output.OutputCache`); ``False``: as copies,
-            for runners whose output is memory they lend and want back.
+        output_cache_views: The output cache holds each step's output itself (no
+            copy; see :class:`~genlm_backend.cache.output.OutputCache`); ``False``:
+            compact copies of its rows, for runners whose output is memory lent
+            until the callers let go of it (``RemoteLM``'s shared-memory regions).
     """
 
     def __init__(
@@ -110,6 +121,8 @@ class AsyncLM:
         rounds: bool = False,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        compute_in_loop: bool = True,
+        chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
         max_context_length: int | None = None,
         device: str | torch.device = "cpu",
         byte_vocab: Sequence[bytes] | None = None,
@@ -122,7 +135,10 @@ class AsyncLM:
             max_batch_tokens=max_batch_tokens,
             timeout_s=timeout_s,
             rounds=rounds,
+            chunk_tokens=chunk_tokens,
         )
+        if not isinstance(compute_in_loop, bool):
+            raise TypeError(f"compute_in_loop must be a bool, got {compute_in_loop!r}")
         if cpu_threads not in (None, "auto"):
             raise ValueError(f'cpu_threads must be "auto" or None, got {cpu_threads!r}')
         self.tokenizer = tokenizer
@@ -144,6 +160,7 @@ class AsyncLM:
             owner=type(self).__name__,
             cpu_threads=threads,
         )
+        self.engine.compute_in_loop = compute_in_loop
         """Where every call's requests go: see :class:`~genlm_backend.llm.engine.Engine`."""
         self._max_context_length = max_context_length
         self._contexts = RecentContexts(len(self.byte_vocab), max_context_length)
@@ -241,15 +258,28 @@ class AsyncLM:
         requests = []
         for index, token_ids in enumerate(token_ids_list):
             try:
-                context, parent = validate(token_ids)
+                context, parent, hashed = validate(token_ids)
             except (TypeError, ValueError) as exc:
                 if argument is None:
                     raise
                 position = index if positions is None else positions[index]
                 raise type(exc)(f"{argument}[{position}]: {exc}") from None
-            requests.append(Request(adapter, context, parent))
+            requests.append(Request(adapter, context, parent, hashed=hashed))
         self.engine.count_requests(requests)
         return requests
+
+    def request(self, token_ids: TokenIds, lora_name: str | None = None) -> Request:
+        """:meth:`requests` of one context, errors naming just the context: a particle's
+        call, the most frequent, in as few steps as it takes."""
+        engine = self.engine
+        if engine.is_closed:
+            engine.check_open()
+        adapter = self.adapters.default if lora_name is None else self.adapters.get(lora_name)
+        context, parent, hashed = self._contexts.validate(token_ids)
+        counts = engine.counts
+        counts["requests"] += 1
+        counts["tokens_requested"] += len(context)
+        return Request(adapter, context, parent, hashed=hashed)
 
     def _score_requests(
         self,
@@ -297,9 +327,8 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        requests = self.requests([token_ids], lora_name, argument=None)
-        (row,) = await self.engine.rows(requests)
-        return own_copy(row)
+        values = await self.engine.results((self.request(token_ids, lora_name),))
+        return values.pop()  # the future keeps its list until the loop's turn ends: not the row
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
@@ -309,8 +338,10 @@ class AsyncLM:
         Every context is validated before any is computed.
         """
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        rows, owned = await self.engine.rows_owned(requests)
-        return own_block(rows, owned and not self.output_cache.keep_views)
+        rows = await self.engine.results(requests)
+        block = as_block(rows)
+        rows.clear()  # the future keeps its list until the loop's turn ends: not the rows
+        return block
 
     def next_token_logprobs_sync(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -319,17 +350,15 @@ class AsyncLM:
 
         Works with or without a running event loop (a notebook cell, a callback).
         """
-        requests = self.requests([token_ids], lora_name, argument=None)
-        rows, _ = self.engine.rows_now(requests)
-        return own_copy(rows[0])
+        (row,) = self.engine.results_now((self.request(token_ids, lora_name),))
+        return row
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`batch_next_token_logprobs`; computes in the calling thread."""
         requests = self.requests(as_list_of_contexts(token_ids_list), lora_name)
-        rows, owned = self.engine.rows_now(requests)
-        return own_block(rows, owned and not self.output_cache.keep_views)
+        return as_block(self.engine.results_now(requests))
 
     def next_token_logprobs_uncached(
         self, token_ids: TokenIds, lora_name: str | None = None
@@ -373,8 +402,8 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
         """
         requests = self._score_requests(context, [continuation], lora_name, None)
-        (scores,) = await self.engine.scores(requests)
-        return scores.to(self.device, copy=True)
+        (scores,) = await self.engine.results(requests)
+        return scores.to(self.device)
 
     async def batch_continuation_logprobs(
         self,
@@ -390,14 +419,14 @@ class AsyncLM:
         requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        return [scores.to(self.device, copy=True) for scores in await self.engine.scores(requests)]
+        return [scores.to(self.device) for scores in await self.engine.results(requests)]
 
     def continuation_logprobs_sync(
         self, context: TokenIds, continuation: TokenIds, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking :meth:`continuation_logprobs`, computed in the calling thread."""
         requests = self._score_requests(context, [continuation], lora_name, None)
-        return self.engine.scores_now(requests)[0].to(self.device, copy=True)
+        return self.engine.results_now(requests)[0].to(self.device)
 
     def batch_continuation_logprobs_sync(
         self,
@@ -409,7 +438,7 @@ class AsyncLM:
         requests = self._score_requests(
             context, as_list_of_contexts(continuations), lora_name, "continuations"
         )
-        return [scores.to(self.device, copy=True) for scores in self.engine.scores_now(requests)]
+        return [scores.to(self.device) for scores in self.engine.results_now(requests)]
 
     # ------------------------------------------------------------------ sampling
 
@@ -566,33 +595,21 @@ class AsyncLM:
         await self.aclose()
 
 
-def own_copy(row: torch.Tensor) -> torch.Tensor:
-    """A copy of ``row`` for the caller to keep (and change) without touching the cache's.
-
-    On the CPU the copy runs in this thread (numpy's): torch's starts its
-    OpenMP team for a row of a large vocabulary, and on a machine whose cores
-    are busy the event loop would then wait for a descheduled thread.
-    """
-    if row.device.type == "cpu" and row.dtype == torch.float32 and not row.requires_grad:
-        return torch.from_numpy(row.numpy().copy())
-    return row.clone()
-
-
-def own_block(rows: Sequence[torch.Tensor], owned: bool) -> torch.Tensor:
-    """``[len(rows), V]`` for the caller to keep: the runner's output itself when the rows are
-    all of it, in order, and nobody else was handed them (``owned``); else a stacked copy."""
-    block = one_block(rows) if owned else None
+def as_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(rows), V]`` for the caller to keep: the tensor whose rows ``rows`` are, all of them
+    in order (a step's fresh output, computed for this call alone: see
+    :mod:`~genlm_backend.llm.engine`), else a stacked copy."""
+    block = one_block(rows)
     return torch.stack(list(rows)) if block is None else block
 
 
 def one_block(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The ``[len(rows), V]`` tensor whose rows ``rows`` are, all of them and in order; else ``None``.
 
-    A runner returns a fresh tensor per batch, and every other holder of its
-    rows copies them (the output cache stores compact copies, single-row
-    callers get :func:`own_copy`). So a batch call whose rows were computed
-    for it alone, as one runner output, returns that output itself instead
-    of a stacked copy of it.
+    Each step's rows are views of one fresh tensor, each handed to one caller
+    only (any other receiver gets a copy). So a batch call whose rows were
+    computed for it alone, as one step's output, returns that tensor itself
+    instead of a stacked copy of it.
     """
     base = rows[0]._base
     if base is None or base.dim() != 2 or not base.is_contiguous():
@@ -808,13 +825,16 @@ class RecentContexts:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
-        self._by_hash: dict[int, tuple[int, ...]] = {}
+        # Oldest first; OrderedDict pops its oldest in O(1) (a dict's first key, after many
+        # pops, is found past their dead slots: a scan per eviction).
+        self._by_hash: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
         self._num_tokens = 0
         self._lock = threading.Lock()
 
-    def validate(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-        """``token_ids`` as :func:`validate_token_ids` returns it, and the recent context it
-        extends by one token (``None`` if none).
+    def validate(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...] | None, int]:
+        """``token_ids`` as :func:`validate_token_ids` returns it, the recent context it
+        extends by one token (``None`` if none), and its
+        :func:`~genlm_backend.cache.kv_tree.context_hash`.
 
         Raises:
             TypeError, ValueError: as :func:`validate_token_ids`.
@@ -825,8 +845,7 @@ class RecentContexts:
             parent = None
         else:
             context, parent = extended
-        self._remember(context)
-        return context, parent
+        return context, parent, self._remember(context)
 
     def _extend_recent(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """``(recent + (last,), recent)`` for the recent context equal to ``token_ids[:-1]``, if
@@ -854,7 +873,8 @@ class RecentContexts:
             return None
         return context, parent
 
-    def _remember(self, context: tuple[int, ...]) -> None:
+    def _remember(self, context: tuple[int, ...]) -> int:
+        """Hold ``context`` as a recent one; its hash."""
         key = context_hash(context)
         with self._lock:
             old = self._by_hash.pop(key, None)
@@ -863,7 +883,8 @@ class RecentContexts:
             self._by_hash[key] = context
             self._num_tokens += len(context)
             while self._num_tokens > self.max_tokens and len(self._by_hash) > 1:
-                self._num_tokens -= len(self._by_hash.pop(next(iter(self._by_hash))))
+                self._num_tokens -= len(self._by_hash.popitem(last=False)[1])
+        return key
 
     def clear(self) -> None:
         with self._lock:

@@ -6,17 +6,34 @@ adapter and context, so nothing about a request is read from state that may
 change between the call and the batch (e.g. a "current adapter").
 Everything else (validation, output cache, batching, sync bridge, sampling)
 lives once in ``AsyncLM``.
+
+Every backend that keeps a KV prefix tree (transformers, MLX) runs the one
+:class:`PrefixCacheRunner` here: requests grouped by adapter, each group
+handed to the :class:`PrefixCacheDriver`, which looks each context up in the
+:class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, computes first the
+prefixes several contexts share and the tree lacks (its *prefill rounds*),
+plans the batch once (:func:`~genlm_backend.cache.plan.plan_batch`), has the
+backend's :class:`PassExecutor` run each planned pass, and commits the
+passes' keys/values to the tree once every pass succeeded. Scoring a
+continuation is the same, each row read at several positions. A backend
+contributes its executor (the transformers model, MLX) and how it activates
+an adapter; the driver is the same for all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from genlm_backend.cache.kv_tree import context_hash
+from genlm_backend.cache import plan as planner
+from genlm_backend.cache.kv_block import KVBlock, Placement
+from genlm_backend.cache.kv_tree import KVPrefixTree, context_hash
+from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan
 
 
 @dataclass(frozen=True)
@@ -34,34 +51,64 @@ class Adapter:
     path: str
 
 
-@dataclass(frozen=True)
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Hashed once, from the context's length and last tokens
-    (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a key of
-    the batcher and the output cache at every step, and Python's hash of a
-    long context reads all of it.
+    Immutable. Hashed once, from the adapter and the context's length and last
+    tokens (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a
+    key of the batcher and the output cache at every step, and Python's hash
+    of a long context reads all of it.
 
     ``parent``, when known, is the context one token shorter as an earlier
     request held it (the same tuple): the KV tree finds its node by it
     without reading the context. Not part of the request's identity.
     """
 
+    __slots__ = ("_hash", "adapter", "context", "parent")
+
     adapter: Adapter | None
     context: tuple[int, ...]
-    parent: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
-    _hash: int = field(init=False, repr=False, compare=False)
+    parent: tuple[int, ...] | None
+    _hash: int
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.adapter, context_hash(self.context))))
+    def __init__(
+        self,
+        adapter: Adapter | None,
+        context: tuple[int, ...],
+        parent: tuple[int, ...] | None = None,
+        *,
+        hashed: int | None = None,
+    ):
+        """``hashed``: ``context_hash(context)``, when the caller has it already."""
+        _set(self, "adapter", adapter)
+        _set(self, "context", context)
+        _set(self, "parent", parent)
+        _set(self, "_hash", hash((adapter, context_hash(context) if hashed is None else hashed)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Request is immutable: cannot set {name!r}")
 
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Request:
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.adapter == other.adapter
+            and (self.context is other.context or self.context == other.context)
+        )
+
+    def __repr__(self) -> str:
+        return f"Request(adapter={self.adapter!r}, context={self.context!r})"
+
     def __reduce__(self):
         # Rebuilt, not copied: the hash of an adapter's name differs between processes.
         return type(self), (self.adapter, self.context)
+
+
+_set = object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -113,7 +160,9 @@ class Runner(Protocol):
         """Next-token log-probabilities of each (distinct) request.
 
         Returns:
-            ``float32`` ``[len(requests), vocab_size]``, normalized per row, on the backend's device.
+            ``float32`` ``[len(requests), vocab_size]``, normalized per row, on the backend's
+            device: a fresh tensor (no other holder; its rows go to the callers as views),
+            not an inference tensor (callers may write to their rows).
 
         Raises:
             ValueError: a request's adapter is not (or no longer) loaded.
@@ -159,15 +208,19 @@ def fit_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[B, V_model]`` logits -> ``[B, vocab_size]`` float32 log-probabilities.
 
     Columns past the tokenizer's vocabulary are dropped (the rest renormalized);
-    missing columns are ``-inf``.
+    missing columns are ``-inf``. The result is a plain tensor even in inference mode: callers
+    are handed its rows, and may write to them.
     """
-    logits = logits.float()
-    num_columns = logits.shape[-1]
-    if num_columns > vocab_size:
-        logits = logits[:, :vocab_size]
-    elif num_columns < vocab_size:
-        logits = torch.nn.functional.pad(logits, (0, vocab_size - num_columns), value=float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+    with torch.inference_mode(False):
+        logits = logits.float()
+        num_columns = logits.shape[-1]
+        if num_columns > vocab_size:
+            logits = logits[:, :vocab_size]
+        elif num_columns < vocab_size:
+            logits = torch.nn.functional.pad(
+                logits, (0, vocab_size - num_columns), value=float("-inf")
+            )
+        return torch.log_softmax(logits, dim=-1)
 
 
 def group_by_adapter(
@@ -199,3 +252,384 @@ def score_from_rows(
         ]
         for request, group in zip(requests, prefixes)
     ]
+
+
+# ---------------------------------------------------------------------- the prefix-cache runner
+
+
+@dataclass(frozen=True)
+class ExecutorSupport:
+    """What an executor can run besides plain passes."""
+
+    adapters: bool
+    """Passes under a LoRA adapter."""
+    captured_steps: bool
+    """One-token passes replayed as captured graphs, where the device captures."""
+    exact_rows: bool
+    """Rows with the bits of their context computed alone (``deterministic=True``)."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one executed pass gives: its rows and the keys/values it wrote."""
+
+    logprobs: torch.Tensor
+    """``float32 [len(plan.reads), V]``, normalized, in the order of ``plan.reads``."""
+    block: KVBlock
+    """The block holding the pass's keys/values."""
+    placements: list[Placement]
+    """Where the tree finds each row's context in ``block``."""
+
+
+class PassExecutor(Protocol):
+    """Runs one planned pass of a model: the seam between the driver and a backend's model."""
+
+    support: ExecutorSupport
+    level_policy: LevelPolicy
+    """How this executor's passes read cached pieces (read once for many rows, or copied)."""
+
+    def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
+        """Run ``plan`` with the model as it is (under ``namespace``'s adapter, active already).
+
+        Raises:
+            Exception: the model's error; nothing enters the tree.
+        """
+
+
+class PrefixCacheDriver:
+    """Next-token rows and continuation scores of contexts, every cached prefix reused.
+
+    Not thread-safe: one batch at a time (the engine's lock).
+
+    Args:
+        kv_tree: Where keys/values are looked up and left.
+        executor: Runs each planned pass.
+        vocab_size: Columns of the rows.
+        max_score_reads: Most positions one scoring pass reads (its logits held
+            at once); ``None``: 256 MiB of float32 logits.
+    """
+
+    def __init__(
+        self,
+        kv_tree: KVPrefixTree,
+        executor: PassExecutor,
+        vocab_size: int,
+        max_score_reads: int | None = None,
+    ):
+        self.kv_tree = kv_tree
+        self.executor = executor
+        self.vocab_size = vocab_size
+        self.max_score_reads = max_score_reads or max(1, (256 << 20) // (4 * vocab_size))
+        self.num_tokens_computed = 0
+
+    @property
+    def level_policy(self) -> LevelPolicy:
+        return self.executor.level_policy
+
+    def request_tokens(
+        self, context: tuple[int, ...], namespace: Hashable, parent: tuple[int, ...] | None
+    ) -> int:
+        """A context's cost against a batch's token budget: the tokens it adds to the batch's
+        working memory (an estimate: another thread may change the tree meanwhile).
+
+        With levels, the part not cached yet (a particle behind a cached
+        prompt costs its own tokens); without them, every token (each row
+        holds its whole past).
+        """
+        if not self.level_policy.enabled:
+            return len(context)
+        return max(1, len(context) - self.kv_tree.cached_length(context, namespace, parent))
+
+    def logprobs(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
+    ) -> torch.Tensor:
+        """``float32 [len(contexts), V]``: the next-token log-probabilities after each context,
+        keys/values kept under ``namespace``.
+
+        Several contexts sharing a long prefix not cached yet get it computed
+        once first, as a batch of its own; then the batch is planned once and executed.
+        """
+        lookups = self.lookup(contexts, namespace)
+        if self.level_policy.enabled and self.prefill_shared(lookups, namespace):
+            lookups = self.lookup(contexts, namespace)  # the tree changed: look again
+        return self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
+
+    def advance(
+        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable, max_tokens: int
+    ) -> int:
+        """Compute a chunk of at most ``max_tokens`` tokens of the long prefills among
+        ``contexts``: the tokens computed (0 when no context's row has more than
+        ``max_tokens`` tokens to compute, and nothing was computed).
+
+        A chunk is the next tokens of the prefixes several long contexts share
+        and the tree lacks, or else of each long context up to its last token,
+        in order; it enters the tree, so the next chunk, and the rows, continue
+        from it. Short contexts are left to the rows' pass: many rows of a few
+        tokens (particles' steps) are one cheap pass, not a long one. A shared
+        prefix's chunk takes its whole rest when less than
+        ``min_prefill_tokens`` would be left (a chunk then exceeds ``max_tokens``
+        by less than that): a shorter rest would be computed by every row. With
+        ``block_tokens`` levels (exact rows), a chunk that reaches past a block
+        boundary ends at one.
+        """
+        hosts = [lookup for lookup, _ in planner.nest(self.lookup(contexts, namespace))]
+        long = [lookup.context for lookup in hosts if lookup.num_new > max_tokens]
+        if not long:
+            return 0
+        cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
+        work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
+        min_shared = 0  # the shortest rest of a shared prefix left to a later chunk
+        if self.level_policy.enabled:
+            min_shared = self.level_policy.min_prefill_tokens
+            rounds = planner.shared_uncached_prefixes(long, cached, min_shared)
+            work = [(prefix, len(prefix)) for prefix in rounds[0]] if rounds else []
+        if not work:
+            work, min_shared = [(context, len(context) - 1) for context in long], 0
+        block = self.level_policy.block_tokens
+        chunks, budget = [], max_tokens
+        for prefix, end in work:
+            start = cached(prefix[:end])
+            take = min(end - start, budget)
+            if take <= 0:
+                continue
+            if 0 < end - start - take < min_shared:
+                # A shorter rest would no longer count as shared: every row would compute it.
+                take = end - start
+            if block and take < end - start and (start + take) // block > start // block:
+                take -= (start + take) % block  # end the chunk at a block boundary
+            chunks.append(prefix[: start + take])
+            budget -= take
+            if budget <= 0:
+                break
+        if not chunks:
+            return 0
+        self.logprobs(chunks, namespace)  # their rows are dropped: the tree keeps the chunk
+        return max_tokens - budget
+
+    def lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
+        """What the tree holds of each context (its last token always runs: it gives the logits)."""
+        found = []
+        for i, context in enumerate(contexts):
+            entry, shared = self.kv_tree.longest_prefix(context, namespace)
+            reused = min(shared, len(context) - 1)
+            found.append(Lookup(i, context, entry if reused > 0 else None, reused))
+        return found
+
+    def prefill_shared(self, lookups: list[Lookup], namespace: Hashable) -> bool:
+        """Compute the prefixes that several contexts share with many uncached tokens, as
+        batches of their own; whether there were any."""
+        min_tokens = self.level_policy.min_prefill_tokens
+        # Contexts read from a longer one's pass share its computation already.
+        hosts = [lookup for lookup, _ in planner.nest(lookups)]
+        rounds = planner.shared_uncached_prefixes(
+            [lookup.context for lookup in hosts if lookup.num_new > min_tokens],
+            lambda prefix: self.kv_tree.cached_length(prefix, namespace),
+            min_tokens,
+        )
+        for prefixes in rounds:
+            lookups = self.lookup(prefixes, namespace)
+            self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
+        return bool(rounds)
+
+    def execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
+        """Run the plan's passes: ``float32 [plan.num_outputs, V]``; their keys/values enter the
+        tree once every pass succeeded (a failed pass leaves nothing in it)."""
+        out: torch.Tensor | None = None
+        results = []
+        for pass_plan in plan.passes:
+            result = self.executor.run_pass(pass_plan, namespace)
+            self.num_tokens_computed += sum(row.num_new for row in pass_plan.rows)
+            indices = [index for index, _, _ in pass_plan.reads]
+            if len(indices) == plan.num_outputs and indices == sorted(indices):
+                out = result.logprobs  # every row, in order
+            else:
+                if out is None:
+                    with torch.inference_mode(False):  # a tensor callers may write to
+                        out = result.logprobs.new_empty(plan.num_outputs, self.vocab_size)
+                out[indices] = result.logprobs
+            results.append(result)
+        for result in results:
+            self.kv_tree.commit(result.block, result.placements, namespace)
+        assert out is not None, "a batch has at least one row"
+        return out
+
+    def score(
+        self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], namespace: Hashable = None
+    ) -> list[torch.Tensor]:
+        """``float32 [len(continuation)]`` per ``(context, continuation)``: each token's log-probability.
+
+        Each pair is one row computing ``context[-1:] + continuation[:-1]``
+        past the longest cached prefix (at most ``context[:-1]``), its logits
+        read at every one of those positions; a long prefix the rows share
+        and the tree lacks is computed once first. The keys/values of every
+        row enter the tree, as for next-token requests. A pass reads at most
+        :attr:`max_score_reads` positions: longer work goes in several passes,
+        a long continuation in pieces, each continuing the keys/values the
+        previous one left.
+        """
+        pieces: list[list[torch.Tensor]] = [[] for _ in pairs]
+        step = self.max_score_reads
+        work = [
+            (start, i, context + continuation[:start], continuation[start : start + step])
+            for i, (context, continuation) in enumerate(pairs)
+            for start in range(0, len(continuation), step)
+        ]
+        work.sort(key=lambda piece: piece[0])  # a continuation's pieces in order
+        chunk: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        num_reads = 0
+        for _, i, context, continuation in work:
+            if chunk and num_reads + len(continuation) > step:
+                self._score_chunk(chunk, pieces, namespace)
+                chunk, num_reads = [], 0
+            chunk.append((i, context, continuation))
+            num_reads += len(continuation)
+        self._score_chunk(chunk, pieces, namespace)
+        return [torch.cat(found) for found in pieces]
+
+    def _score_chunk(
+        self,
+        chunk: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]],
+        pieces: list[list[torch.Tensor]],
+        namespace: Hashable,
+    ) -> None:
+        """Score ``(pair index, context, continuation)`` in one batch; append each piece's scores."""
+        fulls = [context + continuation for _, context, continuation in chunk]
+        if self.level_policy.enabled:
+            self.prefill_shared(self.lookup(fulls, namespace), namespace)
+        hosts, offsets = [], [0]
+        for k, (_, context, continuation) in enumerate(chunk):
+            entry, shared = self.kv_tree.longest_prefix(fulls[k], namespace)
+            reused = min(shared, len(context) - 1)
+            lookup = Lookup(k, fulls[k], entry if reused > 0 else None, reused)
+            first = len(context) - 1 - reused  # the new-token position predicting continuation[0]
+            reads = tuple((offsets[-1] + j, first + j) for j in range(len(continuation)))
+            hosts.append((lookup, reads))
+            offsets.append(offsets[-1] + len(continuation))
+        plan = planner.plan_hosts(hosts, offsets[-1], self.level_policy)
+        rows = self.execute(plan, namespace)  # [sum of lengths, V]
+        targets = [token for _, _, continuation in chunk for token in continuation]
+        scores = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].cpu()
+        for (i, _, _), (a, b) in zip(chunk, itertools.pairwise(offsets)):
+            pieces[i].append(scores[a:b])
+
+
+class AdapterSlots(Protocol):
+    """A backend's loaded adapters."""
+
+    def active(self, adapter: Adapter | None) -> AbstractContextManager:
+        """Run the model under ``adapter`` (``None``: the base model) within this block.
+
+        Raises:
+            ValueError: ``adapter`` is no longer the registration loaded under its name.
+        """
+
+    def load(self, adapter: Adapter) -> None: ...
+
+    def unload(self, adapter: Adapter) -> None: ...
+
+
+class PrefixCacheRunner:
+    """Turns batches of requests into next-token log-probabilities with KV-prefix reuse.
+
+    Args:
+        driver: Runs batches of contexts over the KV tree.
+        adapters: The backend's adapters.
+        device: Where the rows are.
+    """
+
+    def __init__(self, driver: PrefixCacheDriver, adapters: AdapterSlots, device: torch.device):
+        self.driver = driver
+        self.adapters = adapters
+        self.output_device = device
+
+    @property
+    def kv_tree(self) -> KVPrefixTree:
+        return self.driver.kv_tree
+
+    @property
+    def level_policy(self) -> LevelPolicy:
+        """How the executor's passes read cached pieces (settable: tests and benchmarks try others)."""
+        return self.driver.executor.level_policy
+
+    @level_policy.setter
+    def level_policy(self, policy: LevelPolicy) -> None:
+        self.driver.executor.level_policy = policy
+
+    @property
+    def vocab_size(self) -> int:
+        return self.driver.vocab_size
+
+    @property
+    def num_tokens_computed(self) -> int:
+        return self.driver.num_tokens_computed
+
+    @property
+    def stats(self) -> RunnerStats:
+        return RunnerStats(
+            num_tokens_computed=self.driver.num_tokens_computed,
+            kv_cache_bytes=self.kv_tree.bytes_held,
+        )
+
+    def request_tokens(self, request: Request) -> int:
+        """A request's cost against the batch token budget (see
+        :meth:`~genlm_backend.cache.driver.PrefixCacheDriver.request_tokens`)."""
+        return self.driver.request_tokens(request.context, request.adapter, request.parent)
+
+    def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        """``[len(requests), vocab_size]`` float32 log-probabilities on the rows' device."""
+        groups = group_by_adapter(requests)
+        if len(groups) == 1:  # one adapter: the rows are already in order
+            ((adapter, _),) = groups.items()
+            with self.adapters.active(adapter):
+                return self.logprobs([request.context for request in requests], adapter)
+        out = torch.empty(
+            len(requests), self.vocab_size, dtype=torch.float32, device=self.output_device
+        )
+        for adapter, positions in groups.items():
+            with self.adapters.active(adapter):
+                out[positions] = self.logprobs([requests[i].context for i in positions], adapter)
+        return out
+
+    def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace=None) -> torch.Tensor:
+        """The driver's rows of ``contexts`` with the model as it is (no adapter activated)."""
+        return self.driver.logprobs(contexts, namespace)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Each continuation scored from one forward pass over it, its context's keys/values reused."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(requests)
+        for adapter, positions in group_by_adapter(requests).items():
+            with self.adapters.active(adapter):
+                scores = self.driver.score(
+                    [(requests[i].context, requests[i].continuation) for i in positions],
+                    adapter,
+                )
+            for i, found in zip(positions, scores):
+                out[i] = found
+        return out
+
+    def advance(self, requests: Sequence[Request | ScoreRequest], max_tokens: int) -> int:
+        """Compute a chunk of at most ``max_tokens`` tokens of the long prefills ``requests``
+        need before their rows (a prompt's): the tokens computed, 0 when none has more than
+        ``max_tokens`` tokens to compute (see :meth:`PrefixCacheDriver.advance`). A score
+        request's context comes first."""
+        budget = max_tokens
+        for adapter, positions in group_by_adapter(requests).items():
+            contexts = [requests[i].context for i in positions]
+            with self.adapters.active(adapter):
+                budget -= self.driver.advance(contexts, adapter, budget)
+            if budget <= 0:
+                break
+        return max_tokens - budget
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        self.adapters.load(adapter)
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        self.kv_tree.drop_namespace(adapter)
+        self.adapters.unload(adapter)
+
+    def clear(self) -> None:
+        self.kv_tree.clear()
+
+    def close(self) -> None:
+        self.clear()

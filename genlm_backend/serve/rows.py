@@ -59,6 +59,6 @@ async def batch_rows(
     lm.engine.count_requests(held)
     lm.engine.counts["cache_hits"] += len(held)
     if requests:
-        for i, row in zip(missing, await lm.engine.computed(requests)):
+        for i, row in zip(missing, await lm.engine.results(requests)):
             rows[i] = row
     return rows  # type: ignore[return-value]  # no None left

@@ -3,7 +3,7 @@
 * :class:`TokenCharacterTrie`: float64 numpy reference implementation (CPU).
 * :class:`ParallelTokenCharacterTrie`: the same reductions in float32 torch, on any device.
 * :class:`AsyncTokenCharacterTrie`: concurrent ``await`` requests batched by the
-  :class:`~genlm_backend.llm.engine.WaitingCalls` queue.
+  :class:`~genlm_backend.batching.WaitingCalls` queue.
 """
 
 from genlm_backend.trie.async_impl import AsyncTokenCharacterTrie

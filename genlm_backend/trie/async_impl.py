@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from genlm_backend.batching import Batcher, BatcherStats, BatchingConfig, StepOutcome
 from genlm_backend.errors import BatcherClosedError
-from genlm_backend.llm.engine import BatchingConfig, EngineStats, WaitingCalls
 from genlm_backend.trie.base import TokenCharacterTrie
 from genlm_backend.trie.parallel import ParallelTokenCharacterTrie
 
@@ -32,10 +30,9 @@ class AsyncTokenCharacterTrie:
     """Batches concurrent trie requests of one event loop into ``batch_weight_*`` calls.
 
     Requests are validated in the caller (a bad input fails only its caller),
-    then wait in the running loop's queue
-    (:class:`~genlm_backend.llm.engine.WaitingCalls`, started by the first
-    request or by :meth:`start`); a batch runs in one worker thread, grouped
-    by operation. A failing batch fails exactly its requests; a cancelled
+    then wait in the running loop's queue (a
+    :class:`~genlm_backend.batching.Batcher`, started by the first request or
+    by :meth:`start`); a batch runs in one worker thread, grouped by operation. A failing batch fails exactly its requests; a cancelled
     caller leaves the others untouched.
 
     Lifecycle:
@@ -54,7 +51,7 @@ class AsyncTokenCharacterTrie:
 
     Raises:
         ValueError: ``batch_size`` or ``timeout_s`` out of range (see
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
     """
 
     def __init__(self, trie: TokenCharacterTrie, *, batch_size: int = 64, timeout_s: float = 0.02):
@@ -62,9 +59,13 @@ class AsyncTokenCharacterTrie:
         self.trie = trie
         self.batch_size = batch_size
         self.timeout_s = self.batching.timeout_s
-        self._loops: dict[asyncio.AbstractEventLoop, tuple[WaitingCalls, asyncio.Task]] = {}
-        self._worker: ThreadPoolExecutor | None = None
-        self._num_threads = torch.get_num_threads()
+        self._batcher: Batcher[_TrieRequest] = Batcher(
+            self.batching,
+            self._step,
+            name="genlm-trie",
+            in_loop=False,
+            num_worker_threads=torch.get_num_threads(),
+        )
         self._is_closed = False
 
     @classmethod
@@ -101,9 +102,9 @@ class AsyncTokenCharacterTrie:
         return cls(trie, batch_size=batch_size, timeout_s=timeout_s)
 
     @property
-    def batcher_stats(self) -> EngineStats | None:
+    def batcher_stats(self) -> BatcherStats | None:
         """The running event loop's counters (``None`` outside a loop or before its first request)."""
-        calls = self._running_calls()
+        calls = self._batcher.running_calls()
         return None if calls is None else calls.stats()
 
     @property
@@ -113,10 +114,10 @@ class AsyncTokenCharacterTrie:
     @property
     def is_running(self) -> bool:
         """Whether the running event loop has a started queue (``False`` outside a loop)."""
-        return self._running_calls() is not None
+        return self._batcher.running_calls() is not None
 
     @property
-    def _task(self) -> EngineStats | None:
+    def _task(self) -> BatcherStats | None:
         """Truthy while :attr:`is_running`, ``None`` otherwise (the name upstream tests read)."""
         return self.batcher_stats
 
@@ -144,9 +145,9 @@ class AsyncTokenCharacterTrie:
     async def _submit(self, op: str, ws):
         if self._is_closed:
             raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
-        request = _TrieRequest(op, self.trie._check(ws, batched=False))
-        loop = asyncio.get_running_loop()
-        (value,) = await self._calls(loop).add([request], loop).future
+        (value,) = await self._batcher.submit(
+            [_TrieRequest(op, self.trie._check(ws, batched=False))]
+        )
         return value
 
     async def _queue_request(self, ws, op: str) -> asyncio.Task:
@@ -159,56 +160,13 @@ class AsyncTokenCharacterTrie:
             raise ValueError(f"Unknown operation: {op!r}; must be one of {list(_OPS)}")
         return asyncio.ensure_future(self._submit(op, ws))
 
-    def _calls(self, loop: asyncio.AbstractEventLoop) -> WaitingCalls:
-        """The loop's queue, started (with its serve task) if it has none."""
-        entry = self._loops.get(loop)
-        if entry is None or entry[1].done():
-            for old in [old for old in self._loops if old.is_closed()]:
-                del self._loops[old]
-            calls: WaitingCalls = WaitingCalls(self.batching)
-            entry = self._loops[loop] = (calls, loop.create_task(self._serve(calls)))
-        return entry[0]
-
-    def _running_calls(self) -> WaitingCalls | None:
+    def _step(self, requests: list[_TrieRequest]) -> StepOutcome:
+        """Worker thread: the first ``batch_size`` requests computed; an error fails exactly them."""
+        batch = requests[: self.batch_size]
         try:
-            entry = self._loops.get(asyncio.get_running_loop())
-        except RuntimeError:
-            return None
-        return None if entry is None or entry[1].done() else entry[0]
-
-    async def _serve(self, calls: WaitingCalls) -> None:
-        """Take the waiting requests, compute a batch in the worker thread, settle them."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await calls.until_flush()
-                taken = calls.take()
-                if not taken:
-                    continue
-                batch = calls.missing(taken)[: self.batch_size]
-                try:
-                    computing = loop.run_in_executor(self._worker_thread(), self._compute, batch)
-                    found, failed = dict(zip(batch, await computing)), False
-                except Exception as exc:  # noqa: BLE001 - fails exactly this batch's requests
-                    found, failed = dict.fromkeys(batch, exc), True
-                calls.counts["batches"] += 1
-                calls.counts["keys"] += len(batch)
-                calls.counts["failed"] += failed
-                calls.settle(taken, found)
-                del taken, batch, found  # results live no longer than their callers
-        except asyncio.CancelledError:
-            calls.fail_all(BatcherClosedError("the trie's queue was closed"))
-            raise
-
-    def _worker_thread(self) -> ThreadPoolExecutor:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="genlm-trie",
-                initializer=torch.set_num_threads,
-                initargs=(self._num_threads,),
-            )
-        return self._worker
+            return StepOutcome(dict(zip(batch, self._compute(batch))))
+        except Exception as exc:  # noqa: BLE001 - fails exactly this batch's requests
+            return StepOutcome(dict.fromkeys(batch, exc), failed=True)
 
     def _compute(self, requests: list[_TrieRequest]) -> list:
         """Worker thread: one ``batch_weight_*`` call per operation present in the batch."""
@@ -232,14 +190,12 @@ class AsyncTokenCharacterTrie:
         """
         if self._is_closed:
             raise BatcherClosedError("this AsyncTokenCharacterTrie is closed")
-        self._calls(asyncio.get_running_loop())
+        self._batcher.start()
 
     async def cleanup(self) -> None:
         """Stop the running loop's queue; its pending requests raise
         :class:`BatcherClosedError`. The next request starts a new one. Idempotent."""
-        entry = self._loops.pop(asyncio.get_running_loop(), None)
-        if entry is not None:
-            await _stop(*entry)
+        await self._batcher.reset(BatcherClosedError("the trie's queue was closed"))
 
     def shutdown(self) -> None:
         """Synchronous :meth:`cleanup`, for every loop at once.
@@ -248,13 +204,7 @@ class AsyncTokenCharacterTrie:
         raise :class:`BatcherClosedError` once their loop runs again. The next
         request starts afresh. Idempotent.
         """
-        entries, self._loops = self._loops, {}
-        for loop, (_, task) in entries.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(task.cancel)
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-            self._worker = None
+        self._batcher.close(BatcherClosedError("the trie's queue was closed"))
 
     async def aclose(self) -> None:
         """Fail this loop's pending requests with :class:`BatcherClosedError`, as all later calls.
@@ -270,15 +220,3 @@ class AsyncTokenCharacterTrie:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
-
-    def __del__(self) -> None:
-        worker = getattr(self, "_worker", None)
-        if worker is not None:
-            worker.shutdown(wait=False)  # stops the worker thread; nothing to await here
-
-
-async def _stop(calls: WaitingCalls, task: asyncio.Task) -> None:
-    calls.fail_all(BatcherClosedError("the trie's queue was closed"))
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -11,9 +11,12 @@ their queries and grouped heads together against one copy of the level, a
 matrix-matrix product, instead of once per row. Only the own part is masked
 (a level precedes every query of its rows).
 
-Everything is torch operations: on CPU the fused flash kernel that returns
+Torch operations compute it: on CPU the fused flash kernel that returns
 the log-sum-exp, on CUDA the fused flash (half precision) or memory-efficient
-(float32, masks) kernels, elsewhere a chunked plain product. All agree with
+(float32, masks) kernels, elsewhere a chunked plain product. On CUDA with
+Triton, a long level is read by :mod:`~genlm_backend.llm.hf.split_level`'s
+kernel instead: its keys split into chunks over many programs (one flash call
+has too few to read it at the memory's bandwidth). All agree with
 an uncached forward within float32 rounding (``tests/test_hf_shared_prefix.py``).
 """
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from genlm_backend.cache.kv_block import KVBlock
+from genlm_backend.llm.hf import split_level
 
 _MATH_CHUNK_SCORES = 1 << 24
 """Most attention scores the plain-product path holds at once (64 MiB of float32)."""
@@ -198,12 +202,38 @@ def _level_attention(
     views ``[R, Hkv, g, L, D]`` (query's dtype) and ``[R, Hkv, g, L]`` (float32).
     """
     num_rows, num_kv_heads, num_groups, num_queries, head_dim = query.shape
+    if split_level.uses_split_kernel(query.device, head_dim):
+        split = _split_level_attention(query, keys, values, scale)
+        if split is not None:
+            return split
     grouped = query.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
     output, lse = prefix_attention_with_lse(grouped, keys, values, scale)
     # [1, Hkv, R * g * L, ...] -> [Hkv, R, g, L, ...]: splits one dimension, a view of any strides
     output = output.view(num_kv_heads, num_rows, num_groups, num_queries, head_dim)
     lse = lse.view(num_kv_heads, num_rows, num_groups, num_queries)
     return output.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _split_level_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`_level_attention` by the split kernel where it splits the level into chunks (``None``
+    elsewhere: one flash call has programs enough). Its queries are ``[R * L, Hq, D]``, a view
+    for one-token steps."""
+    from genlm_backend.llm.hf import split_level_fused
+
+    num_rows, num_kv_heads, num_groups, num_queries, head_dim = query.shape
+    num_grouped = num_rows * num_queries * num_groups  # queries per key/value head
+    if not split_level_fused.splits(
+        num_grouped, num_kv_heads, keys.shape[2], head_dim, query.device
+    ):
+        return None
+    rows = query.permute(0, 3, 1, 2, 4).reshape(num_rows * num_queries, -1, head_dim)
+    output, lse = split_level_fused.split_level_attention(rows, keys[0], values[0], scale)
+    # [R * L, Hq, ...] -> [R, Hkv, g, L, ...], views
+    output = output.view(num_rows, num_queries, num_kv_heads, num_groups, head_dim)
+    lse = lse.view(num_rows, num_queries, num_kv_heads, num_groups)
+    return output.permute(0, 2, 3, 1, 4), lse.permute(0, 2, 3, 1)
 
 
 def _merge_into(

@@ -11,7 +11,6 @@ and what it copies first, is :mod:`~genlm_backend.llm.hf.graphs`'s plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -22,19 +21,14 @@ from typing import Any, Protocol
 import torch
 
 from genlm_backend.cache.kv_block import KVBlock, Piece
-from genlm_backend.llm.hf.attention import Cascade, Level
-from genlm_backend.llm.hf.compat import StaticCaches, grouped_kv_attention
-from genlm_backend.llm.hf.exact import SPAN_TOKENS, ExactLayout
+from genlm_backend.llm.hf.attention import Level
+from genlm_backend.llm.hf.compat import StaticCaches, attending, grouped_kv_attention
+from genlm_backend.llm.hf.rows import RowStrategy
 from genlm_backend.llm.runner import fit_to_vocab
 from genlm_backend.tokenization.token import gc_paused
 
 _TOKENS, _POSITIONS, _WRITES, _FIRSTS, _SPLITS, _LEVELS = range(6)
 """Rows of a graph's ``inputs``; one more per level (1 where the row reads it)."""
-
-
-ExactProducts = Callable[[], contextlib.AbstractContextManager]
-"""While its context is active, the model's projections compute exact rows (the runner's
-:class:`~genlm_backend.llm.hf.exact.PaddedMatmuls`)."""
 
 
 class GraphCapture(Protocol):
@@ -189,13 +183,12 @@ def decode_one_token(
     caches: StaticCaches,
     graph: CapturedStep,
     vocab_size: int,
-    exact: ExactProducts | None = None,
+    strategy: RowStrategy,
 ) -> torch.Tensor:
     """The captured step: one token per row, every per-step value read from ``graph.inputs``.
 
-    With ``exact`` (``deterministic=True``), attention is
-    :func:`~genlm_backend.llm.hf.exact.exact_attention` and the products
-    are ``exact``'s, so a row has the bits of its context computed alone.
+    Its attention and products are ``strategy``'s (with ``deterministic=True``,
+    exact rows: a row has the bits of its context computed alone).
 
     Returns ``float32 [R, vocab_size]`` log-probabilities (padding rows included).
     """
@@ -209,19 +202,11 @@ def decode_one_token(
     bias = bias.masked_fill_(inputs[_LEVELS:] == 0, float("-inf"))  # [levels, R]
     levels = [dataclasses.replace(level, row_bias=bias[k]) for k, level in enumerate(graph.levels)]
     layers = [(layer[0], layer[1]) for layer in storage.unbind(0)]
-    attention: dict[str, object] = {}
-    products: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if exact is not None:
-        config = model.config.get_text_config(decoder=True)
-        num_groups = config.num_attention_heads // storage.shape[3]
-        placed = [(level, offset // SPAN_TOKENS) for level, offset in zip(levels, graph.offsets)]
-        layout = ExactLayout.of_step(
-            inputs[_SPLITS], firsts, writes, placed, num_groups, storage.shape[4]
-        )
-        attention, products = {"genlm_exact": layout}, exact()
-    elif levels:
-        attention = {"genlm_cascade": Cascade(levels)}
-    with grouped_kv_attention(model), products:
+    num_groups = model.config.get_text_config(decoder=True).num_attention_heads // storage.shape[3]
+    attention = strategy.step_attention(
+        levels, graph.offsets, (inputs[_SPLITS], firsts, writes), num_groups, storage.shape[4]
+    )
+    with grouped_kv_attention(model), attending(attention), strategy.products():
         output = model(
             input_ids=inputs[_TOKENS, :, None],
             attention_mask=mask,
@@ -229,6 +214,5 @@ def decode_one_token(
             past_key_values=caches.scattered(layers, writes),
             use_cache=True,
             logits_to_keep=1,
-            **attention,
         )
     return fit_to_vocab(output.logits[:, 0], vocab_size)

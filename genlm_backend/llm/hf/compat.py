@@ -16,16 +16,14 @@ under a name of its own inside peft.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from genlm_backend.llm.hf import exact as exact_rows
-from genlm_backend.llm.hf.attention import Cascade, cascade_attention
-from genlm_backend.llm.hf.exact import ExactLayout
-from genlm_backend.llm.hf.exact_spans import span_exact_attention
+from genlm_backend.llm.hf.rows import PassAttention
 from genlm_backend.llm.runner import Adapter
 
 SUPPORTED_TRANSFORMERS = (5, 6)
@@ -126,6 +124,26 @@ def _sdpa_grouped_kv(
     return output.transpose(1, 2).contiguous(), None
 
 
+_CURRENT: contextvars.ContextVar[PassAttention | None] = contextvars.ContextVar(
+    "genlm_pass_attention", default=None
+)
+
+
+def current_attention() -> PassAttention | None:
+    """The attention of the pass running in this context (``None``: the model's own)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def attending(attention: PassAttention | None) -> Iterator[None]:
+    """While active, the model's attention layers compute ``attention`` (``None``: their own)."""
+    token = _CURRENT.set(attention)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
 def _genlm_attention(
     module,
     query,
@@ -135,77 +153,33 @@ def _genlm_attention(
     dropout=0.0,
     scaling=None,
     is_causal=None,
-    genlm_cascade: Cascade | None = None,
-    genlm_causal=False,
-    genlm_exact: ExactLayout | None = None,
     **kwargs,
 ):
-    """The runner's attention function: :func:`~genlm_backend.llm.hf.attention.cascade_attention` when the batch reads shared levels, else :func:`_sdpa_grouped_kv`.
+    """The runner's attention function: the pass's
+    :class:`~genlm_backend.llm.hf.rows.PassAttention` (:func:`current_attention`),
+    else :func:`_sdpa_grouped_kv`.
 
-    ``genlm_cascade`` (the pass's levels) and ``genlm_causal`` (the mask is plain causal over
-    every key) reach it as keywords of the model's forward call, which
-    transformers hands to every attention function. ``genlm_exact`` (the pass's
-    :class:`~genlm_backend.llm.hf.exact.ExactLayout`) asks for exact attention (:func:`_exact_attention`).
+    A model whose attention takes arguments a pass's attention cannot serve
+    (sinks, soft-capping, dropout) gets its own function where the pass's is
+    optional, and a clear error where it is not.
     """
-    if genlm_exact is not None:
-        unsupported = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
-        if unsupported or dropout:
-            raise NotImplementedError(
-                f"exact attention cannot serve this model's attention arguments {unsupported}"
-            )
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return _exact_attention(module.layer_idx, query, key, value, scale, genlm_exact), None
-    if (
-        genlm_causal
-        and not dropout
-        and not any(kwargs.get(k) is not None for k in _UNSUPPORTED_BY_LEVELS)
-    ):
-        # the runner's mask is exactly causal over the keys: let the kernel skip the hidden half
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
-        )
-        return output.transpose(1, 2).contiguous(), None
-    if genlm_cascade is None:
+    attention = current_attention()
+    other = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
+    if attention is None or ((other or dropout) and attention.optional):
         return _sdpa_grouped_kv(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
-    unsupported = sorted(k for k in _UNSUPPORTED_BY_LEVELS if kwargs.get(k) is not None)
-    if unsupported or dropout:
+    if other or dropout:
         raise NotImplementedError(
-            f"shared-prefix attention cannot serve this model's attention arguments {unsupported}"
+            f"{type(attention).__name__} cannot serve this model's attention arguments "
+            f"{other or ['dropout']}"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = cascade_attention(
-        module.layer_idx, query, key, value, attention_mask, scale, genlm_cascade
-    )
-    return output, None
+    return attention.attend(module.layer_idx, query, key, value, attention_mask, scale), None
 
 
 # ``sliding_window`` is not among them: contexts never exceed the window (see attention_window).
 _UNSUPPORTED_BY_LEVELS = ("s_aux", "sinks", "position_bias", "softcap", "cache")
-
-
-def _exact_attention(
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    layout: ExactLayout,
-) -> torch.Tensor:
-    """Exact attention in the device's one fixed order: the fused kernels where they run
-    (:func:`~genlm_backend.llm.hf.exact.uses_fused_kernels`; head sizes that are powers of two),
-    on the CPU span by span in torch's CPU attention kernel
-    (:func:`~genlm_backend.llm.hf.exact_spans.span_exact_attention`), else
-    :func:`~genlm_backend.llm.hf.exact.exact_attention`'s torch operations."""
-    head_dim = query.shape[-1]
-    if not head_dim & (head_dim - 1) and exact_rows.uses_fused_kernels(query.device):
-        from genlm_backend.llm.hf.exact_fused import fused_exact_attention
-
-        return fused_exact_attention(layer, query, key, value, scale, layout)
-    if query.device.type == "cpu":
-        return span_exact_attention(layer, query, key, value, scale, layout)
-    return exact_rows.exact_attention(layer, query, key, value, scale, layout)
 
 
 @contextmanager

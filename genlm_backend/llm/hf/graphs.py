@@ -18,9 +18,10 @@ block moves to a copy if the tree still holds it, and the rows' own parts are
 copied into the storage, whose addresses do not change, so no recapture.
 Own parts outgrowing the storage go to a graph with more slots.
 
-With ``deterministic=True`` the captured function computes the exact rows
-of :mod:`~genlm_backend.llm.hf.exact`, its layout made on the device from
-the same inputs (and each row's first own token: where its levels end).
+The captured function computes its attention as the runner's
+:class:`~genlm_backend.llm.hf.rows.RowStrategy` says (with
+``deterministic=True``, exact rows, their layout made on the device from the
+same inputs and each row's first own token: where its levels end).
 
 The graphs themselves, their memory pool and the captured function are
 :mod:`~genlm_backend.llm.hf.capture`'s. Graphs are bounded in number and
@@ -45,8 +46,9 @@ from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Seg
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.cache.plan import PassPlan, positions
 from genlm_backend.llm.hf import capture
-from genlm_backend.llm.hf.capture import CapturedStep, ExactProducts, GraphKey, decode_one_token
+from genlm_backend.llm.hf.capture import CapturedStep, GraphKey, decode_one_token
 from genlm_backend.llm.hf.compat import StaticCaches, cache_nbytes, kv_shape
+from genlm_backend.llm.hf.rows import RowStrategy
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Row counts graphs are captured for: a step's rows are padded to the next one."""
@@ -132,8 +134,7 @@ class StepGraphs:
         max_graphs: Most graphs kept (0: every step eager).
         max_storage_bytes: Most bytes of own-part storage kept by the graphs
             (beyond the tree's budget while the tree no longer holds them).
-        exact: With ``deterministic=True``, the runner's exact products: steps are
-            captured with exact attention (:meth:`~genlm_backend.llm.hf.exact.ExactLayout.of_step`).
+        strategy: How the captured steps compute their rows (the runner's).
     """
 
     def __init__(
@@ -146,10 +147,10 @@ class StepGraphs:
         *,
         max_graphs: int = 8,
         max_storage_bytes: int = 2 << 30,
-        exact: ExactProducts | None = None,
+        strategy: RowStrategy,
     ):
         self._model_of = model_of
-        self._exact = exact
+        self._strategy = strategy
         self._caches = caches
         self._kv_tree = kv_tree
         self._vocab_size = vocab_size
@@ -266,7 +267,9 @@ class StepGraphs:
         graph.replay()
         self._num_replays += 1
         self._graphs.move_to_end(graph.key)
-        return graph.output[: len(step.rows)].clone(), graph.current
+        with torch.inference_mode(False):  # a tensor callers may write to
+            rows = graph.output[: len(step.rows)].clone()
+        return rows, graph.current
 
     def _capture(self, graph: CapturedStep) -> bool:
         model = self._model_of()
@@ -275,7 +278,7 @@ class StepGraphs:
         try:
             graph.replay, graph.output = graphs.capture(
                 functools.partial(
-                    decode_one_token, model, self._caches, graph, self._vocab_size, self._exact
+                    decode_one_token, model, self._caches, graph, self._vocab_size, self._strategy
                 )
             )
         except RuntimeError as exc:  # a model doing host work inside its forward

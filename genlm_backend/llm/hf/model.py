@@ -32,17 +32,13 @@ class AsyncTransformer(AsyncLM):
         batch_size: Most distinct contexts per forward pass; ``None`` (default):
             every waiting context within the ``max_batch_tokens`` budget.
         timeout: Most seconds a request waits for company (``timeout_s`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         kv_cache_bytes: Budget of retained keys/values.
         output_cache_bytes: Budget of cached result rows.
-        compute_in_loop: Run batches in the event loop's thread (the default),
-            blocking it while they compute, or in one worker thread (``False``),
-            as a server does; see :mod:`~genlm_backend.llm.engine`. Settable
-            later as ``llm.engine.compute_in_loop``.
         cpu_threads: ``"auto"`` (default): on the CPU, steps adapt their torch
             threads to the cores they get, so that processes sharing a machine
             do not take the cores from one another
-            (:class:`~genlm_backend.llm.engine.CpuThreads`); ``None``: fixed.
+            (:class:`~genlm_backend.batching.CpuThreads`); ``None``: fixed.
         deterministic: Reproducible rows and runs (docs/contract.md,
             "Reproducibility"): each row has the bits of its context computed
             alone from an empty cache, whatever shares its batch and whatever
@@ -50,14 +46,21 @@ class AsyncTransformer(AsyncLM):
             the event loop is idle, never on the clock (``timeout`` is ignored);
             calls complete in the order they were made, whatever the cache
             holds and whoever else calls (``rounds`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`); the thread
+            :class:`~genlm_backend.batching.BatchingConfig`); the thread
             count is fixed (``cpu_threads`` is ignored).
-        **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options.
+        executor: What runs a planned pass: ``"auto"`` (default), ``"transformers"``
+            or ``"fused"`` (the Llama family's fused decoder; see
+            :class:`~genlm_backend.llm.hf.runner.HFRunner`). The fused decoder's
+            compiled code is specialized to the torch thread count: with it, the
+            count stays fixed (``cpu_threads`` is ignored).
+        **kwargs: Further :class:`~genlm_backend.llm.base.AsyncLM` options
+            (``compute_in_loop``, ``chunk_tokens``, ...).
 
     Raises:
         ImportError: the installed transformers is not a supported version.
         ValueError: ``deterministic`` with a model whose attention the runner
-            cannot compute itself (the message says why).
+            cannot compute itself (the message says why); ``executor="fused"``
+            for a model outside the Llama family, or with ``deterministic``.
     """
 
     runner: HFRunner
@@ -71,9 +74,9 @@ class AsyncTransformer(AsyncLM):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
-        compute_in_loop: bool = True,
         cpu_threads: str | None = "auto",
         deterministic: bool = False,
+        executor: str = "auto",
         **kwargs,
     ):
         if not isinstance(deterministic, bool):
@@ -93,9 +96,15 @@ class AsyncTransformer(AsyncLM):
         )
         self.kv_cache = KVPrefixTree(kv_cache_bytes)
         self.runner = HFRunner(
-            hf_model.eval(), self.kv_cache, self.vocab_size, deterministic=deterministic
+            hf_model.eval(),
+            self.kv_cache,
+            self.vocab_size,
+            deterministic=deterministic,
+            executor=executor,
         )
-        self.engine.compute_in_loop = compute_in_loop
+        if self.runner.executor is not self.runner.executor_of_transformers:
+            # Compiled code guards on the torch thread count: adapting it would recompile.
+            self.engine.batcher.cpu_threads = None
 
     @property
     def model(self):

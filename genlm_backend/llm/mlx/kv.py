@@ -53,7 +53,8 @@ class MlxKVBlock(KVBlock):
         self.num_live_entries = 0
         num_rows, _, num_slots, _ = keys[0].shape
         self.row_ends = [0] * num_rows
-        self._num_slots = num_slots
+        self.num_rows = num_rows
+        self.num_slots = num_slots
 
     @classmethod
     def zeros(cls, layout: KVLayout, num_rows: int, num_slots: int) -> MlxKVBlock:
@@ -64,10 +65,6 @@ class MlxKVBlock(KVBlock):
             mx.zeros((*heads, layout.value_dim), layout.dtype) for _ in range(layout.num_layers)
         ]
         return cls(keys, values)
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
 
     def arrays(self) -> list[mx.array]:
         """Every array of the block (to evaluate after writing)."""

@@ -42,7 +42,7 @@ class AsyncMlxLM(AsyncLM):
             a ``config.json`` written by transformers 5, :meth:`from_name` does not).
         tokenizer: Its Hugging Face tokenizer, or the ``TokenizerWrapper`` of ``mlx_lm.load``.
         timeout: Most seconds a request waits for company (``timeout_s`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         prefill_step_size: Most new tokens per row in one model call; longer
             prefills run in chunks.
         cache_size: Most rows in the output cache (upstream's option: 0

@@ -1,10 +1,10 @@
 """Batched next-token forward passes of an mlx-lm model, reusing cached prefixes.
 
-No asyncio here: :meth:`MlxRunner.logprobs` takes distinct contexts and
-returns a ``[B, V]`` torch tensor. Each batch is planned by the planner the
-transformers backend uses (:mod:`~genlm_backend.cache.plan`) over the same
-:class:`~genlm_backend.cache.kv_tree.KVPrefixTree`, and each pass of the
-plan is executed with MLX arrays: cached pieces several rows share (a
+No asyncio here: :meth:`MlxRunner.run` takes distinct requests and
+returns a ``[B, V]`` torch tensor. The prefix-cache driver the transformers
+backend uses (:class:`~genlm_backend.llm.runner.PrefixCacheDriver`) plans
+each batch over the same :class:`~genlm_backend.cache.kv_tree.KVPrefixTree`;
+:class:`MlxExecutor` executes each pass of the plan with MLX arrays: cached pieces several rows share (a
 prompt) are read in place, once for all of them
 (:meth:`~genlm_backend.llm.mlx.kv.BatchView.attend`); each row's own past is
 copied into the pass's block, or a one-token step writes in place into the
@@ -15,7 +15,7 @@ that prefix computed once first.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 
 import mlx.core as mx
 import numpy as np
@@ -23,25 +23,108 @@ import torch
 
 from genlm_backend.cache import plan as planner
 from genlm_backend.cache.kv_tree import KVPrefixTree
-from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan
+from genlm_backend.cache.plan import LevelPolicy, PassPlan
 from genlm_backend.llm.mlx import compat
 from genlm_backend.llm.mlx.adapters import MlxAdapters
 from genlm_backend.llm.mlx.kv import ForwardPass, KVLayout, MlxKVBlock
 from genlm_backend.llm.runner import (
-    Adapter,
+    ExecutorSupport,
+    PassResult,
+    PrefixCacheDriver,
+    PrefixCacheRunner,
     Request,
-    RunnerStats,
-    ScoreRequest,
     fit_to_vocab,
-    group_by_adapter,
-    score_from_rows,
 )
 
 MIN_LEVEL_TOKENS = 32
 """Shortest cached piece read in place by the rows that share it (a shorter one is copied into each row)."""
 
 
-class MlxRunner:
+class MlxExecutor:
+    """Runs planned passes of an mlx-lm model over MLX blocks of the KV tree (see the module).
+
+    Args:
+        model: An mlx-lm model of an attention-only architecture.
+        kv_tree: Where the passes' blocks are reserved.
+        vocab_size: Columns of the output.
+        prefill_step_size: Most tokens per row in one call of the model.
+    """
+
+    support = ExecutorSupport(adapters=True, captured_steps=False, exact_rows=False)
+
+    def __init__(self, model, kv_tree: KVPrefixTree, vocab_size: int, prefill_step_size: int):
+        self.model = model
+        self.kv_tree = kv_tree
+        self.vocab_size = vocab_size
+        self.prefill_step_size = prefill_step_size
+        self.layout = _probe_layout(model)
+        self._split = compat.split_model(model)
+        self.level_policy = LevelPolicy(
+            enabled=compat.install_shared_attention(model),
+            min_shared_tokens=MIN_LEVEL_TOKENS,
+            min_prefill_tokens=MIN_LEVEL_TOKENS,
+        )
+        """When cached pieces are read in place (never, where the model's attention cannot be routed)."""
+
+    def run_pass(self, plan: PassPlan, namespace: Hashable) -> PassResult:
+        """One pass: the log-probabilities of its reads, in order, and the block written."""
+        given = planner.pass_inputs(plan, 1 << 30)  # MLX takes each row's first position
+        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, given)
+        assert isinstance(block, MlxKVBlock), "MLX passes extend MLX blocks"
+        inputs = mx.array(given.tokens)  # [B, num_new], each row's new tokens, then padding
+        positions = mx.array([row.reused for row in plan.rows], dtype=mx.int32)
+        starts = mx.array(given.row_starts, dtype=mx.int32)
+        levels = [
+            (piece, None if len(rows) == len(plan.rows) else rows) for piece, rows in given.levels
+        ]
+        reads = plan.reads  # (output index, row, new-token position)
+        picked: list[mx.array] = []
+        order: list[int] = []
+        for begin in range(0, plan.num_new, self.prefill_step_size):
+            end = min(plan.num_new, begin + self.prefill_step_size)
+            forward = ForwardPass(
+                block, plan.num_past + begin, end - begin, positions + begin, starts, levels
+            )
+            out = self._call(inputs[:, begin:end], forward)  # [B, L, D] hidden, or [B, L, V] logits
+            here = [k for k, (_, _, at) in enumerate(reads) if begin <= at < end]
+            if here:
+                rows = mx.array([reads[k][1] for k in here])
+                picked.append(out[rows, mx.array([reads[k][2] - begin for k in here])])
+                order.extend(here)
+            mx.eval(picked, block.arrays())
+            self._check_shared_reads(forward)
+        selected = mx.concatenate(picked)[mx.array(np.argsort(order))]
+        logits = selected if self._split is None else self._split[1](selected)
+        return PassResult(_to_logprobs(logits, self.vocab_size), block, plan.placements())
+
+    def _call(self, inputs: mx.array, forward: ForwardPass) -> mx.array:
+        if self._split is None:
+            return self.model(inputs, cache=forward.views())
+        return self._split[0](inputs, cache=forward.views())
+
+    def _check_shared_reads(self, forward: ForwardPass) -> None:
+        if forward.levels and forward.num_shared_reads != len(forward.block.keys):
+            self.level_policy = LevelPolicy(enabled=False)  # later batches copy every piece
+            raise RuntimeError(
+                f"{type(self.model).__module__}: only {forward.num_shared_reads} of "
+                f"{len(forward.block.keys)} layers read the shared prefix through mlx-lm's "
+                "scaled_dot_product_attention; this batch failed, later ones copy prefixes per row"
+            )
+
+    def _block_with_pasts(self, plan: PassPlan, given: planner.PassInputs) -> MlxKVBlock:
+        """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
+        num_past, num_new = plan.num_past, plan.num_new
+        # One-token steps get spare slots, so the next steps can write in place.
+        num_spare = max(8, num_past // 4) if num_new == 1 else 0
+        num_slots = num_past + num_new + num_spare
+        pinned = [entry for row in plan.rows for entry, _ in row.levels + row.own]
+        self.kv_tree.reserve(self.layout.nbytes(len(plan.rows), num_slots), pinned=pinned)
+        block = MlxKVBlock.zeros(self.layout, len(plan.rows), num_slots)
+        block.copy_in(given.copies)
+        return block
+
+
+class MlxRunner(PrefixCacheRunner):
     """Turns batches of requests into next-token log-probabilities with KV-prefix reuse.
 
     Args:
@@ -66,43 +149,14 @@ class MlxRunner:
         # the batcher's worker thread must find them computed.
         mx.eval(model.parameters())
         self.model = model
-        self.kv_tree = kv_tree
-        self.vocab_size = vocab_size
-        self.prefill_step_size = prefill_step_size
-        self.num_tokens_computed = 0
-        self.adapters = MlxAdapters(model)
-        self.layout = _probe_layout(model)
-        self._split = compat.split_model(model)
-        self.level_policy = LevelPolicy(
-            enabled=compat.install_shared_attention(model),
-            min_shared_tokens=MIN_LEVEL_TOKENS,
-            min_prefill_tokens=MIN_LEVEL_TOKENS,
-        )
-        """When cached pieces are read in place (never, where the model's attention cannot be routed)."""
+        self.executor = MlxExecutor(model, kv_tree, vocab_size, prefill_step_size)
+        driver = PrefixCacheDriver(kv_tree, self.executor, vocab_size)
+        super().__init__(driver, MlxAdapters(model), torch.device("cpu"))
         compat.clear_at_exit(self)
 
     @property
-    def stats(self) -> RunnerStats:
-        return RunnerStats(
-            num_tokens_computed=self.num_tokens_computed, kv_cache_bytes=self.kv_tree.bytes_held
-        )
-
-    def request_tokens(self, request: Request) -> int:
-        """A request's cost against the batch token budget: the part of its context not cached yet (an estimate)."""
-        cached = self.kv_tree.cached_length(request.context, request.adapter, request.parent)
-        return max(1, len(request.context) - cached)
-
-    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
-        """Scores gathered from the rows of each continuation's prefixes (computed in one batch)."""
-        return score_from_rows(self.run, requests)
-
-    def run(self, requests: Sequence[Request]) -> torch.Tensor:
-        """``[len(requests), vocab_size]`` float32 log-probabilities on the CPU."""
-        out = torch.empty(len(requests), self.vocab_size, dtype=torch.float32)
-        for adapter, positions in group_by_adapter(requests).items():
-            with self.adapters.active(adapter):
-                out[positions] = self.logprobs([requests[i].context for i in positions], adapter)
-        return out
+    def layout(self) -> KVLayout:
+        return self.executor.layout
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         """Reference: one plain mlx-lm forward over the whole context under its adapter, no cache."""
@@ -110,132 +164,9 @@ class MlxRunner:
             logits = self.model(mx.array([list(request.context)]))[:, -1]
             return _to_logprobs(logits, self.vocab_size)[0]
 
-    def load_adapter(self, adapter: Adapter) -> None:
-        self.adapters.load(adapter)
-
-    def unload_adapter(self, adapter: Adapter) -> None:
-        self.kv_tree.drop_namespace(adapter)
-        self.adapters.unload(adapter)
-
     def clear(self) -> None:
-        self.kv_tree.clear()
+        super().clear()
         mx.clear_cache()
-
-    def close(self) -> None:
-        self.clear()
-
-    def logprobs(
-        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
-    ) -> torch.Tensor:
-        """Log-probabilities after each context, keys/values kept under ``namespace``.
-
-        Runs the model as it is (activating an adapter is :meth:`run`'s job).
-
-        Returns:
-            ``float32`` ``[len(contexts), vocab_size]`` on the CPU, normalized per row.
-        """
-        lookups = self._lookup(contexts, namespace)
-        if self.level_policy.enabled:
-            rounds = self._prefill_rounds(lookups, namespace)
-            for prefixes in rounds:
-                self._execute(self._plan(self._lookup(prefixes, namespace)), namespace)
-            if rounds:  # the tree changed: look again
-                lookups = self._lookup(contexts, namespace)
-        return self._execute(self._plan(lookups), namespace)
-
-    def _lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
-        found = []
-        for i, context in enumerate(contexts):
-            entry, shared = self.kv_tree.longest_prefix(context, namespace)
-            reused = min(shared, len(context) - 1)  # the last token must run to give logits
-            found.append(Lookup(i, context, entry if reused > 0 else None, reused))
-        return found
-
-    def _plan(self, lookups: list[Lookup]) -> BatchPlan:
-        return planner.plan_batch(lookups, self.level_policy)
-
-    def _prefill_rounds(self, lookups: list[Lookup], namespace: Hashable) -> list:
-        """Prefixes shared by several contexts with many uncached tokens, to compute first."""
-        min_tokens = self.level_policy.min_prefill_tokens
-        hosts = [lookup for lookup, _ in planner.nest(lookups)]
-        return planner.shared_uncached_prefixes(
-            [lookup.context for lookup in hosts if lookup.num_new > min_tokens],
-            lambda prefix: self.kv_tree.cached_length(prefix, namespace),
-            min_tokens,
-        )
-
-    def _execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
-        """Run the plan's passes; their keys/values enter the tree once every pass succeeded."""
-        out = torch.empty(plan.num_outputs, self.vocab_size, dtype=torch.float32)
-        computed = []
-        for pass_plan in plan.passes:
-            logprobs, block = self._forward(pass_plan)
-            out[[index for index, _, _ in pass_plan.reads]] = logprobs
-            computed.append((pass_plan.placements(), block))
-        # A failed pass leaves nothing in the tree.
-        for placements, block in computed:
-            self.kv_tree.commit(block, placements, namespace)
-        return out
-
-    def _forward(self, plan: PassPlan) -> tuple[torch.Tensor, MlxKVBlock]:
-        """One pass: the log-probabilities of its reads, in order, and the block written."""
-        block = plan.extends if plan.extends is not None else self._block_with_pasts(plan)
-        assert isinstance(block, MlxKVBlock), "MLX passes extend MLX blocks"
-        inputs = mx.array(
-            planner.new_tokens(plan)
-        )  # [B, num_new], each row's new tokens first, padding after them
-        positions = mx.array([row.reused for row in plan.rows], dtype=mx.int32)
-        starts = mx.array(planner.row_starts(plan), dtype=mx.int32)
-        levels = [
-            (piece, None if len(rows) == len(plan.rows) else rows)
-            for piece, rows in planner.level_readers(plan.rows)
-        ]
-        reads = plan.reads  # (output index, row, new-token position)
-        picked: list[mx.array] = []
-        order: list[int] = []
-        for begin in range(0, plan.num_new, self.prefill_step_size):
-            end = min(plan.num_new, begin + self.prefill_step_size)
-            forward = ForwardPass(
-                block, plan.num_past + begin, end - begin, positions + begin, starts, levels
-            )
-            out = self._call(inputs[:, begin:end], forward)  # [B, L, D] hidden, or [B, L, V] logits
-            here = [k for k, (_, _, at) in enumerate(reads) if begin <= at < end]
-            if here:
-                rows = mx.array([reads[k][1] for k in here])
-                picked.append(out[rows, mx.array([reads[k][2] - begin for k in here])])
-                order.extend(here)
-            mx.eval(picked, block.arrays())
-            self._check_shared_reads(forward)
-        selected = mx.concatenate(picked)[mx.array(np.argsort(order))]
-        logits = selected if self._split is None else self._split[1](selected)
-        self.num_tokens_computed += sum(row.num_new for row in plan.rows)
-        return _to_logprobs(logits, self.vocab_size), block
-
-    def _call(self, inputs: mx.array, forward: ForwardPass) -> mx.array:
-        if self._split is None:
-            return self.model(inputs, cache=forward.views())
-        return self._split[0](inputs, cache=forward.views())
-
-    def _check_shared_reads(self, forward: ForwardPass) -> None:
-        if forward.levels and forward.num_shared_reads != len(forward.block.keys):
-            self.level_policy = LevelPolicy(enabled=False)  # later batches copy every piece
-            raise RuntimeError(
-                f"{type(self.model).__module__}: only {forward.num_shared_reads} of "
-                f"{len(forward.block.keys)} layers read the shared prefix through mlx-lm's "
-                "scaled_dot_product_attention; this batch failed, later ones copy prefixes per row"
-            )
-
-    def _block_with_pasts(self, plan: PassPlan) -> MlxKVBlock:
-        """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
-        num_past, num_new = plan.num_past, plan.num_new
-        # One-token steps get spare slots, so the next steps can write in place.
-        num_spare = max(8, num_past // 4) if num_new == 1 else 0
-        num_slots = num_past + num_new + num_spare
-        pinned = [entry for row in plan.rows for entry, _ in row.levels + row.own]
-        self.kv_tree.reserve(self.layout.nbytes(len(plan.rows), num_slots), pinned=pinned)
-        block = MlxKVBlock.zeros(self.layout, len(plan.rows), num_slots)
-        block.copy_in(planner.own_part_copies(plan))
-        return block
 
 
 def _to_logprobs(logits: mx.array, vocab_size: int) -> torch.Tensor:

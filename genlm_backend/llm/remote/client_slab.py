@@ -10,8 +10,8 @@ Rows without a copy: a slab holds ``batch_rows`` rows of *scratch* and twice
 as many to *lend*. A batch's rows go into a free region of the lent part
 when there is one, and the tensor returned views that region (no copy); the
 region is lent until that tensor and every view of it are gone (the
-client's output cache keeps copies of its own), and only then named in a
-request again. When no region is free (the caller keeps many results), the
+callers' rows: the client's output cache keeps copies of its own), and only
+then named in a request again. When no region is free (the caller keeps many results), the
 rows go into the scratch part and are copied out, as from a slab without a
 lent part (one made where ``/dev/shm`` has no room for three batches). Lent
 views hold a second mapping of the slab

@@ -97,7 +97,7 @@ class RemoteLM(AsyncLM):
             timeout_s=timeout_s,
             max_batch_tokens=limits.max_batch_tokens,
             output_cache_bytes=output_cache_bytes,
-            output_cache_views=False,  # rows in the slab are lent: the cache keeps copies
+            output_cache_views=False,  # rows in lent slab regions: the cache keeps copies
             max_context_length=info["max_context_length"],
             byte_vocab=byte_vocab_of(info),
             str_vocab=info["str_vocab"],

@@ -45,7 +45,7 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: Most distinct contexts per engine batch; ``None`` (default):
             every waiting context within the ``max_batch_tokens`` budget.
         timeout: Most seconds a request waits for company (``timeout_s`` of
-            :class:`~genlm_backend.llm.engine.BatchingConfig`).
+            :class:`~genlm_backend.batching.BatchingConfig`).
         max_sessions: Most particle sessions kept open (each holds its keys/values
             in vLLM's KV cache); ``None``: twice ``batch_size``, or as many as the
             scheduler has request slots when ``batch_size`` is ``None``, and 0 where

@@ -41,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from genlm_backend.llm.hf.exact import BLOCK_TOKENS, ExactLayout, in_runs
+from genlm_backend.llm.hf.exact.layout import ExactLayout
+from genlm_backend.llm.hf.exact.numerics import BLOCK_TOKENS
+from genlm_backend.llm.hf.exact.torch_order import in_runs
 
 BLOCK_KEYS = BLOCK_TOKENS
 """Keys folded at a time (the positions of the blocks are fixed: ``0, b, 2b, ...``)."""

@@ -40,15 +40,15 @@ from dataclasses import dataclass
 
 import torch
 
-from genlm_backend.llm.hf.exact import (
+from genlm_backend.llm.hf.exact.layout import ExactLayout
+from genlm_backend.llm.hf.exact.numerics import (
     BLOCK_TOKENS,
     SPAN_BLOCKS,
     SPAN_TOKENS,
-    ExactLayout,
     exp_of_difference,
-    in_runs,
     sum_in_halves,
 )
+from genlm_backend.llm.hf.exact.torch_order import in_runs
 
 QUERY_ROWS = 16
 """Queries of every call are a multiple of this many (padded with zeros)."""
