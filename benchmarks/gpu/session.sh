@@ -44,9 +44,9 @@ python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', tor
 # Every test marked gpu (each file holding one is listed; tests/test_ci_readme.py checks it):
 # captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
 tests() {
-    part tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
+    part tests 200 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
         tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py \
-        tests/test_deterministic.py tests/test_exact_fused.py tests/test_trie.py
+        tests/test_deterministic.py tests/test_exact_fused.py tests/test_trie.py tests/test_split_level.py
 }
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
@@ -63,13 +63,11 @@ kernels() {
     part kernels_8b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 128
     part kernels_1b 60 python3 benchmarks/gpu/bench_exact_attention.py --heads 32 8 --head-dim 64
 }
-# One level's read split along its keys: its tests on the device (against the torch reference,
-# torch's unsplit attention and the runner's plain forward), then against one flash call and the
+# One level's read split along its keys (its tests, against the torch reference, torch's unsplit
+# attention and the runner's plain forward, run in the tests part) against one flash call and the
 # floor: 8B and 1B heads, 64 rows behind levels of 1K, 4K and 16K keys; the automatic chunk and
 # fixed ones.
 split_level() {
-    part split_level_tests 90 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
-        tests/test_split_level.py
     part split_level_8b 60 python3 benchmarks/gpu/bench_split_level.py --heads 32 8 --head-dim 128 \
         --keys 1024 4096 16384
     part split_level_1b 45 python3 benchmarks/gpu/bench_split_level.py --heads 32 8 --head-dim 64 \
