@@ -2,8 +2,11 @@
 
 Reference: the row of the same context computed by a fresh deterministic
 runner over an empty tree, alone in its batch. Every comparison is
-``torch.equal``: bitwise, no tolerance. Hypothesis generates batches and
-cache histories (shared prompts read as levels, particles stepping in
+``torch.equal``: bitwise, no tolerance. The rows computed alone are in turn
+compared with transformers' plain forward (``tests/hf_reference.py``: 1e-4 in
+float32; in bfloat16 every such row, four rounding steps at its largest
+logit), so an error the deterministic order makes alike alone and in a batch
+fails too. Hypothesis generates batches and cache histories (shared prompts read as levels, particles stepping in
 place, resampling, nested contexts, scoring, eviction under tiny budgets,
 LoRA adapters mixed in one batch);
 CI runs few examples, ``GENLM_EXACT_EXAMPLES=200`` more.
@@ -26,12 +29,13 @@ from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm import AsyncTransformer, MockAsyncLM
 from genlm_backend.llm import engine as engine_module
 from genlm_backend.llm.hf import exact
+from genlm_backend.llm.hf.exact import products as exact_products
 from genlm_backend.llm.hf.exact import spans as exact_spans
 from genlm_backend.llm.hf.runner import HFRunner
 from tests import conftest
 from tests.conftest import build_tiny_llama
 from tests.graph_emulation import emulated_graphs
-from tests.hf_reference import ATOL, reference
+from tests.hf_reference import ATOL, bfloat16_tolerance, plain_logits, reference
 from tests.triton_emulation import interpreted
 
 EXAMPLES = int(os.environ.get("GENLM_EXACT_EXAMPLES", "12"))
@@ -43,11 +47,18 @@ VOCAB = 2000  # token ids drawn below this (the tiny model's vocabulary is the t
 
 
 class Alone:
-    """Each context's row computed alone from an empty cache, memoized."""
+    """Each context's row computed alone from an empty cache, memoized.
+
+    A bfloat16 model's rows are also held to transformers' plain forward
+    (:meth:`check_plain_forward`): every bitwise check against them is then
+    a check against the plain forward too, so an error the deterministic order
+    makes alike in every batch (which no bitwise check sees) fails.
+    """
 
     def __init__(self, model, vocab_size: int):
         self.model, self.vocab_size = model, vocab_size
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self._unchecked: list[tuple[int, ...]] = []
 
     def __call__(self, context) -> torch.Tensor:
         context = tuple(context)
@@ -56,7 +67,36 @@ class Alone:
                 self.model, KVPrefixTree(1 << 30), self.vocab_size, deterministic=True
             )
             self._rows[context] = runner.logprobs([context])[0]
+            self._unchecked.append(context)
         return self._rows[context]
+
+    def check_plain_forward(self) -> None:
+        """The rows computed since the last call against the plain forward, within
+        ``bfloat16_tolerance`` (one forward per context that is no other's prefix: its logits at
+        each position are its prefixes' rows). Nothing to do for a float32 model (its rows are
+        checked against the plain forward in ``test_exact_rows_agree_with_a_plain_forward``
+        and ``test_products_in_pieces_give_the_rows_computed_alone``).
+
+        Raises:
+            AssertionError: a row further than that from the plain forward.
+        """
+        unchecked, self._unchecked = set(self._unchecked), []
+        if next(self.model.parameters()).dtype != torch.bfloat16:
+            return
+        for context in sorted(unchecked, key=len, reverse=True):
+            if context not in unchecked:
+                continue  # a prefix of a context checked already
+            logits = plain_logits(self.model, context)
+            for length in range(len(context), 0, -1):
+                prefix = context[:length]
+                if prefix in unchecked:
+                    unchecked.discard(prefix)
+                    expected = torch.log_softmax(logits[length - 1], dim=-1)[: self.vocab_size]
+                    atol = bfloat16_tolerance(logits[length - 1])
+                    torch.testing.assert_close(
+                        self._rows[prefix], expected.to(self._rows[prefix].device), atol=atol,
+                        rtol=0, msg=lambda m, n=length: f"context of {n} tokens: {m}",
+                    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +233,7 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces, monk
                 particles = particles[:5]
             for p in particles:
                 p.append(rng.randrange(VOCAB))
+    alone.check_plain_forward()
     stats = runner.graphs.stats
     assert stats.unsupported is None
     assert stats.num_captures >= 2 and stats.num_replays >= 30, stats  # a graph per bucket
@@ -447,14 +488,16 @@ def check_history(tiny, history) -> None:
             assert_rows_exact(rows, batch, alone)
 
     asyncio.run(run())
+    alone.check_plain_forward()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_model_dir, dtype):
-    """The real model: batched behind a cached prompt, then stepped, against each row alone."""
+def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_model_dir):
+    """The real model in bfloat16: batched behind a cached prompt, then stepped, against each
+    row alone, and those against the plain forward. (In float32 the tiny models' tests take
+    the same paths: the real model adds its shape, which bfloat16 takes too.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     alone = Alone(model, len(tokenizer))
     rng = random.Random(4)
@@ -466,6 +509,7 @@ def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_mod
     for context in batch:
         context.append(rng.randrange(VOCAB))
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
+    alone.check_plain_forward()
 
 
 def test_steps_go_when_the_loop_is_idle_never_on_the_clock(monkeypatch):
@@ -518,13 +562,13 @@ def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, m
     """Products in pieces of ``CUDA_ROWS`` rows (CUDA's way; forced on the CPU): rows batched
     behind a cached prompt, then stepped, against each row alone, and against a plain forward."""
     pieces = []
-    real = exact.products_in_pieces
+    real = exact_products.products_in_pieces
 
     def spy(product, rows):
         pieces.append(rows.shape[0])
         return real(product, rows)
 
-    monkeypatch.setattr(exact, "products_in_pieces", spy)
+    monkeypatch.setattr(exact_products, "products_in_pieces", spy)
     model = getattr(conftest, build)(VOCAB).to(device=device, dtype=dtype)
     model.config._attn_implementation = "sdpa"
     padded = exact.PaddedMatmuls.of(model)
@@ -546,6 +590,7 @@ def test_products_in_pieces_give_the_rows_computed_alone(device, build, dtype, m
                 )
         for context in batch:
             context.append(rng.randrange(VOCAB))
+    alone.check_plain_forward()  # bfloat16
     assert (
         max(pieces) > exact.CUDA_ROWS and min(pieces) < exact.CUDA_ROWS
     )  # several pieces, and padding
