@@ -7,6 +7,8 @@ and vLLM runners the reference is ``tests/hf_reference.py``'s: transformers'
 forward of the same weights, copied before the runner got them, adapters
 loaded by peft; for the mock, its defining function (``run_uncached``).
 Tolerance: 1e-4 absolute (1e-3 for vLLM, whose kernels differ more, as in test_vllm.py).
+The HF runner's model is a tiny GPT-2; vLLM's a tiny Llama on an engine built with
+``enable_lora`` (vLLM's GPT-2 takes no adapters).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from genlm_backend.llm.runner import Adapter, Request
-from tests.conftest import build_tiny_gpt2
+from tests.conftest import build_tiny_gpt2, build_tiny_llama
 from tests.hf_reference import Reference
 
 RUNNERS = ["mock", "hf", "vllm"]
@@ -46,8 +48,8 @@ def make_vllm(tokenizer, tmp_path_factory):
         pytest.skip("vLLM is not installed (CPU: .ci/install_vllm.sh)")
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
-    path = tmp_path_factory.mktemp("contract_gpt2")
-    model = build_tiny_gpt2(len(tokenizer))
+    path = tmp_path_factory.mktemp("contract_llama")
+    model = build_tiny_llama(len(tokenizer))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     opts = {
@@ -57,6 +59,9 @@ def make_vllm(tokenizer, tmp_path_factory):
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
         "gpu_memory_utilization": 0.3,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 2,
     }
     llm = AsyncVirtualLM.from_name(path, engine_opts=opts)
     return llm.runner, llm, 1e-3, Reference(model, len(tokenizer)).of
@@ -111,15 +116,21 @@ def test_clear_keeps_results_exact(runner_case):
 
 
 def adapter_for(name: str, runner, tmp_path) -> Adapter:
-    """An adapter this runner can load: any path for the mock, a peft LoRA (non-zero B) for HF."""
+    """An adapter this runner can load: any path for the mock, a peft LoRA (non-zero B) of
+    its tiny model for HF (GPT-2) and vLLM (Llama)."""
     if name == "mock":
         return Adapter("a", 1, "mock-weights")
     peft = pytest.importorskip("peft", reason="LoRA needs peft (the test extra installs it)")
     torch.manual_seed(4)
-    config = peft.LoraConfig(
-        r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
-    )
-    model = peft.get_peft_model(build_tiny_gpt2(runner.vocab_size), config)
+    if name == "hf":
+        base = build_tiny_gpt2(runner.vocab_size)
+        config = peft.LoraConfig(
+            r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
+        )
+    else:
+        base = build_tiny_llama(runner.vocab_size)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "lora_B" in parameter_name:
@@ -130,10 +141,6 @@ def adapter_for(name: str, runner, tmp_path) -> Adapter:
 
 def test_a_batch_mixing_adapters_equals_uncached_forwards(runner_case, tmp_path):
     name, runner, _, _ = runner_case
-    if name == "vllm":
-        with pytest.raises(ValueError, match="enable_lora"):
-            runner.load_adapter(Adapter("a", 1, str(tmp_path)))
-        pytest.skip("adapters need an engine with enable_lora; the CPU test engine has none")
     adapter = adapter_for(name, runner, tmp_path)
     runner.load_adapter(adapter)
     try:

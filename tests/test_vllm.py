@@ -161,6 +161,13 @@ def test_rejects_context_longer_than_the_engine_allows(tiny_vllm):
         tiny_vllm.next_token_logprobs_sync([1] * (tiny_vllm.max_context_length + 1))
 
 
+def test_adapters_are_refused_by_an_engine_built_without_lora(tiny_vllm, tmp_path):
+    with pytest.raises(ValueError, match=r"built without LoRA support.*enable_lora"):
+        tiny_vllm.add_new_lora(str(tmp_path), "a")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        tiny_vllm.next_token_logprobs_sync([1, 2], "a")
+
+
 def test_rejects_an_engine_not_built_for_capture():
     class PlainEngine:
         def collective_rpc(self, method, args=()):

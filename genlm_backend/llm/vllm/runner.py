@@ -58,6 +58,7 @@ class VLLMRunner:
         self._scheduler = vllm_compat.in_process_scheduler(engine)
         self._model_vocab_size = engine.vllm_config.model_config.get_vocab_size()
         self._sessions: OrderedDict[Request, str] = OrderedDict()  # request -> engine request id
+        self._loaded: dict[str, Adapter] = {}  # the registration each adapter name has now
 
     @property
     def stats(self) -> RunnerStats:
@@ -84,6 +85,7 @@ class VLLMRunner:
         return len(request.context)
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
+        self._check_adapters(requests)
         if self._scheduler is not None and self.max_sessions > 0:
             return self._run_in_sessions(requests)
         # max_sessions was set to 0: close any open sessions.
@@ -98,6 +100,7 @@ class VLLMRunner:
         prompt log-probabilities cannot give: there the scores are gathered
         from the prefixes' rows.
         """
+        self._check_adapters(requests)
         if self._model_vocab_size != self.vocab_size:
             return score_from_rows(self.run, requests)
         request_ids = [f"genlm-score-{next(self._request_numbers)}" for _ in requests]
@@ -122,6 +125,7 @@ class VLLMRunner:
 
     def run_uncached(self, request: Request) -> torch.Tensor:
         """One plain engine request (vLLM's prefix cache may still serve its prefix)."""
+        self._check_adapters([request])
         return self._run_plain([request])[0]
 
     def _run_plain(self, requests: Sequence[Request]) -> torch.Tensor:
@@ -256,6 +260,16 @@ class VLLMRunner:
 
     # ------------------------------------------------------------------ adapters
 
+    def _check_adapters(self, requests: Sequence[Request | ScoreRequest]) -> None:
+        """Raises ``ValueError`` when a request's adapter is not loaded now, before any request
+        reaches the engine (vLLM itself would load it again from its path)."""
+        for request in requests:
+            adapter = request.adapter
+            if adapter is not None and self._loaded.get(adapter.name) != adapter:
+                raise ValueError(
+                    f"LoRA adapter {adapter.name!r} was removed or re-registered while this request waited"
+                )
+
     def _lora_request(self, adapter: Adapter | None):
         if adapter is None:
             return None
@@ -275,12 +289,15 @@ class VLLMRunner:
                 "AsyncVirtualLM.from_name(..., engine_opts={'enable_lora': True, 'max_lora_rank': <rank>})"
             )
         self.engine.add_lora(self._lora_request(adapter))
+        self._loaded[adapter.name] = adapter
 
     def unload_adapter(self, adapter: Adapter) -> None:
         """Close ``adapter``'s sessions and drop its weights (its prefix-cache blocks are keyed by its id)."""
         doomed = [request for request in self._sessions if request.adapter == adapter]
         self._close_sessions([self._sessions.pop(request) for request in doomed])
         self.engine.remove_lora(adapter.version)
+        if self._loaded.get(adapter.name) == adapter:
+            del self._loaded[adapter.name]
 
     # ------------------------------------------------------------------ plumbing
 
