@@ -110,3 +110,16 @@ async def test_a_chunked_scoring_batch_scores_as_a_plain_forward():
     expected = [float(plain(context + continuation[:i])[t]) for i, t in enumerate(continuation)]
     assert scores.tolist() == pytest.approx(expected, abs=1e-4)
     llm.close()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+async def test_a_prefill_the_cache_cannot_hold_is_computed_whole(deterministic):
+    """Under a budget smaller than the prompt's keys/values, a chunk the tree cannot keep is no
+    progress: the batch runs as one pass (chunking on would never end), and its rows are exact."""
+    llm = tiny_llm(chunk_tokens=16, kv_cache_bytes=20_000, deterministic=deterministic)
+    contexts = first_batch(prefix_tokens=120, num_particles=3)
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert llm.kv_cache.bytes_held <= 20_000
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    llm.close()

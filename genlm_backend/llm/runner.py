@@ -370,7 +370,9 @@ class PrefixCacheDriver:
         ``min_prefill_tokens`` would be left (a chunk then exceeds ``max_tokens``
         by less than that): a shorter rest would be computed by every row. With
         ``block_tokens`` levels (exact rows), a chunk that reaches past a block
-        boundary ends at one.
+        boundary ends at one. When the tree cannot keep a chunk whole (a
+        budget below the prefill's keys/values), returns 0 as well: the rows'
+        pass computes the rest, so chunking always ends.
         """
         hosts = [lookup for lookup, _ in planner.nest(self.lookup(contexts, namespace))]
         long = [lookup.context for lookup in hosts if lookup.num_new > max_tokens]
@@ -404,6 +406,8 @@ class PrefixCacheDriver:
         if not chunks:
             return 0
         self.logprobs(chunks, namespace)  # their rows are dropped: the tree keeps the chunk
+        if any(cached(chunk) < len(chunk) for chunk in chunks):
+            return 0  # the tree could not keep a chunk: no progress, the rows' pass computes all
         return max_tokens - budget
 
     def lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
