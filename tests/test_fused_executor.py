@@ -78,7 +78,8 @@ async def test_a_chunked_prefill_through_the_fused_executor(eager_decoders):
     prompt = [(5 * i + 2) % VOCAB for i in range(70)]
     contexts = [[*prompt, i] for i in range(3)]
     rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
-    assert llm.engine.counts["chunks"] >= 70 // 16
+    # 16, 16, then the last 38 at once: a rest of 22 would not count as shared (under 32 tokens)
+    assert llm.engine.counts["chunks"] == 3
     check(llm, contexts, rows)
     llm.close()
 
