@@ -123,3 +123,18 @@ async def test_a_prefill_the_cache_cannot_hold_is_computed_whole(deterministic):
     for context, row in zip(contexts, rows):
         assert_matches_reference(llm, context, row)
     llm.close()
+
+
+async def test_chunking_that_never_progresses_ends_in_one_pass():
+    """A runner whose chunks are never kept (each step reports a chunk computed, and the next
+    finds nothing cached): the prefill's chunk steps are bounded by its cost, then the batch
+    runs as one pass and its rows are exact."""
+    llm = tiny_llm(chunk_tokens=16)
+    llm.runner.advance = lambda requests, max_tokens: max_tokens  # computes "a chunk", keeps none
+    contexts = first_batch(prefix_tokens=100, num_particles=2)
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    # the cost at the first chunk: two rows of 102 uncached tokens, plus the chunk's 16
+    assert llm.engine.counts["chunks"] == (2 * 102 + 16) // 16 + 1
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    llm.close()

@@ -101,6 +101,7 @@ class Engine:
         self.counts = dict.fromkeys(
             ("requests", "tokens_requested", "cache_hits", "batches", "contexts", "chunks"), 0
         )
+        self._chunks_left: int | None = None  # chunk steps the prefill under way may still take
 
     @property
     def config(self) -> BatchingConfig:
@@ -219,19 +220,37 @@ class Engine:
             batch = todo[:1]  # what a failing cost estimate fails
             try:
                 batch = self._within_budget(todo)
-                advance = getattr(self.runner, "advance", None)
-                if (
-                    chunk_tokens is not None
-                    and advance is not None
-                    and advance(batch, chunk_tokens)
-                ):
-                    self.counts["chunks"] += 1
+                if chunk_tokens is not None and self._chunk(batch, chunk_tokens):
                     return StepOutcome(found)  # the batch waits for its next chunk
+                self._chunks_left = None
                 found.update(self._compute(batch))
                 return StepOutcome(found)
             except Exception as exc:  # noqa: BLE001 - for the calls of this batch
+                self._chunks_left = None
                 found.update(dict.fromkeys(batch, exc))
                 return StepOutcome(found, failed=True)
+
+    def _chunk(self, batch: list[Key], chunk_tokens: int) -> bool:
+        """Whether a chunk of the batch's long prefills was computed (lock held).
+
+        A prefill gets at most as many chunk steps as its tokens fill (its
+        cost counted at its first chunk, plus one): a KV cache too small for
+        it (which evicts one chunk to keep the next) or a batch that changes
+        between steps cannot keep chunking forever; past that, the batch runs
+        as one pass.
+        """
+        advance = getattr(self.runner, "advance", None)
+        if advance is None or self._chunks_left == 0:
+            return False
+        computed = advance(batch, chunk_tokens)
+        if not computed:
+            return False
+        if self._chunks_left is None:
+            cost = sum(self.runner.request_tokens(_as_request(r)) for r in batch)
+            self._chunks_left = (cost + computed) // chunk_tokens + 1
+        self._chunks_left -= 1
+        self.counts["chunks"] += 1
+        return True
 
     def _cached(self, todo: list[Key]) -> dict:
         """``{request: copy of its row}`` for the rows the output cache holds (lock held)."""
