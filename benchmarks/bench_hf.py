@@ -13,6 +13,8 @@ variant runs in its own process (clean peak RSS):
   budget), or with ``--batch-size``.
 * ``ours+worker``: ``ours`` with ``compute_in_loop=False`` (steps in a worker
   thread, as a server runs them; the default runs them in the event loop's thread).
+* ``ours+fused``: ``ours`` with ``executor="fused"`` (the fused Llama-family
+  decoder, compiled on its first pass: the compile is inside the timed run).
 * ``baseline``: ``ours`` as another checkout of this repository runs it
   (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
@@ -41,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 VARIANTS = ("floor", "ours", "upstream", "upstream+cache_kv")
-OPTIONAL_VARIANTS = ("baseline", "ours+worker")
+OPTIONAL_VARIANTS = ("baseline", "ours+worker", "ours+fused")
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -58,13 +60,14 @@ def run_variant(
     torch.set_num_threads(2)
     if variant == "floor":
         seconds = _run_floor(particles, steps, model_dir)
-    elif variant in ("ours", "ours+worker"):
+    elif variant in ("ours", "ours+worker", "ours+fused"):
         in_loop = variant != "ours+worker"
-        seconds, stats = _run_ours(particles, steps, model_dir, batch_size, in_loop)
+        executor = "fused" if variant == "ours+fused" else None
+        seconds, stats = _run_ours(particles, steps, model_dir, batch_size, in_loop, executor)
     else:
         raise ValueError(variant)
     result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
-    if variant in ("ours", "ours+worker"):
+    if variant in ("ours", "ours+worker", "ours+fused"):
         result["stats"] = stats
     return result
 
@@ -107,7 +110,12 @@ def _run_floor(particles: int, steps: int, model_dir: str) -> float:
 
 
 def _run_ours(
-    particles: int, steps: int, model_dir: str, batch_size: int | None, in_loop: bool = True
+    particles: int,
+    steps: int,
+    model_dir: str,
+    batch_size: int | None,
+    in_loop: bool = True,
+    executor: str | None = None,
 ):
     import asyncio
     import dataclasses
@@ -118,7 +126,9 @@ def _run_ours(
     from genlm_backend.llm.hf import AsyncTransformer
 
     model, tokenizer = _load(model_dir)
-    options = {"batch_size": batch_size} if batch_size else {}
+    options: dict = {"batch_size": batch_size} if batch_size else {}
+    if executor is not None:  # compiled on its first pass, inside the timed run
+        options["executor"] = executor
     llm = AsyncTransformer(model, tokenizer, compute_in_loop=in_loop, **options)
     prompt = prompt_ids(tokenizer)
     llm.next_token_logprobs_uncached(prompt)  # warm-up, caches nothing
