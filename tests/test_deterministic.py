@@ -24,10 +24,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from genlm_backend import batching as batching_module
 from genlm_backend.batching import BatchingConfig
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.llm import AsyncTransformer, MockAsyncLM
-from genlm_backend.llm import engine as engine_module
 from genlm_backend.llm.hf import exact
 from genlm_backend.llm.hf.exact import products as exact_products
 from genlm_backend.llm.hf.exact import spans as exact_spans
@@ -517,7 +517,7 @@ def test_steps_go_when_the_loop_is_idle_never_on_the_clock(monkeypatch):
     """Calls arriving over several loop passes, with a clock that leaps a second per reading:
     a timeout would cut them into several steps; ``deterministic`` takes them in one."""
     clock = iter(range(10**6))
-    monkeypatch.setattr(engine_module.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(batching_module.time, "monotonic", lambda: float(next(clock)))
 
     async def arrivals(llm) -> int:
         async def call(delay: int):

@@ -193,8 +193,9 @@ async def test_particles_behind_two_prompts_in_one_batch_read_each_prompt_as_its
     await llm.batch_next_token_logprobs(prompts)  # both cached: each a level of its particles
     particles = [prompt + [rng.randrange(1000)] for prompt in prompts for _ in range(3)]
     forwards = []
-    original = llm.runner._forward
-    llm.runner._forward = lambda plan: forwards.append(plan) or original(plan)
+    executor = llm.runner.driver.executor
+    original = executor.run_pass
+    executor.run_pass = lambda plan, namespace: forwards.append(plan) or original(plan, namespace)
     for step in range(4):
         rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
         for particle, row in zip(particles, rows):

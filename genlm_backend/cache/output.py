@@ -93,8 +93,14 @@ class OutputCache:
         """The tensor stored under ``key`` (marked most recently used), or ``None``."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[Hashable]) -> list[torch.Tensor | None]:
-        """:meth:`get` for each of ``keys``, in order, under one acquisition of the lock."""
+    def get_many(
+        self, keys: Sequence[Hashable], count_misses: bool = True
+    ) -> list[torch.Tensor | None]:
+        """:meth:`get` for each of ``keys``, in order, under one acquisition of the lock.
+
+        ``count_misses=False``: a key not held is not counted as a miss (a caller
+        whose misses go on to a step that looks them up again, and counts them there).
+        """
         values: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             entries = self._entries
@@ -110,7 +116,8 @@ class OutputCache:
                 values[i] = value
             num_hits = sum(value is not None for value in values)
             self._num_hits += num_hits
-            self._num_misses += len(values) - num_hits
+            if count_misses:
+                self._num_misses += len(values) - num_hits
             if not self._devices:
                 return values
             return [

@@ -27,7 +27,7 @@ def held_rows(
     """
     lm.engine.check_open()
     keys = [Request(lm.adapters.resolve(lora_name), context) for context in contexts]
-    rows = lm.output_cache.get_many(keys)
+    rows = lm.output_cache.get_many(keys, count_misses=False)  # batch_rows looks again
     if any(row is None for row in rows):
         return None
     lm.engine.count_requests(keys)
@@ -49,7 +49,8 @@ async def batch_rows(
     lm.engine.check_open()
     adapter = lm.adapters.resolve(lora_name)
     rows: list[torch.Tensor | None] = lm.output_cache.get_many(
-        [Request(adapter, context) for context in contexts]
+        [Request(adapter, context) for context in contexts],
+        count_misses=False,  # the step looks each miss up again and counts it there
     )
     missing = [i for i, row in enumerate(rows) if row is None]
     requests = lm.requests(

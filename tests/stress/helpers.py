@@ -188,10 +188,15 @@ def live_tensor_bytes() -> int:
     results held anywhere), free of allocator noise; tensors referenced only
     from C++ are not seen.
     """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
     gc.collect()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+            if isinstance(obj, (FakeTensor, FunctionalTensor)):
+                continue  # torch.compile's traced stand-ins (kept by compiled code): no memory
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
