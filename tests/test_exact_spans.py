@@ -79,13 +79,15 @@ def test_the_thread_count_does_not_change_a_query_s_bits(dtype):
     keys = torch.randn(3, 2, SPAN_TOKENS, HEAD, generator=gen).to(dtype)
     values = torch.randn(3, 2, SPAN_TOKENS, HEAD, generator=gen).to(dtype)
     queries = torch.randn(3, 2, 64, HEAD, generator=gen).to(dtype)
+    if not torch.backends.openmp.is_available():
+        pytest.skip("this torch build runs one thread only (no OpenMP): no counts to compare")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
         single = attend(queries, keys, values)
         torch.set_num_threads(2)
-        if torch.get_num_threads() != 2:
-            pytest.skip("this torch build runs one thread only (no OpenMP): no counts to compare")
+        assert torch.get_num_threads() == 2, "an OpenMP build kept another thread count"
         several = attend(queries, keys, values)
     finally:
         torch.set_num_threads(threads)
