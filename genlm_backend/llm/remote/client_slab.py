@@ -128,6 +128,7 @@ class ClientSlab:
             except OSError as exc:
                 raise SlabRefused(f"no shared memory for {batch_rows} rows here ({exc})") from None
         capacity_rows = slab.capacity_rows
+        answer: urllib3.BaseHTTPResponse | None = None
         try:
             body = protocol.encode_slab_offer(client, slab.name, slab.nonce, capacity_rows)
             answer = http.send(pool, url, "POST", "/v1/session", body, preload_content=False)
@@ -139,6 +140,8 @@ class ClientSlab:
                     channel = ChannelClient(address, session, url, read_timeout_s)
             client_slab = cls(slab, session, pool, answer, chunks, batch_rows, channel)
         except BaseException:
+            if answer is not None:  # an open answer holds its connection outside the pool
+                answer.close()
             slab.close()
             slab.unlink()
             pool.close()
