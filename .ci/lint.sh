@@ -6,7 +6,7 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 fresh_venv
 # One venv for both: the project and its dependencies install once.
-pip install -q -e ".[lint,docs]"
+ci_pip "$(command -v python)" install -q -e ".[lint,docs]"
 ruff check .
 ruff format --check .
 mypy

