@@ -141,6 +141,12 @@ def test_the_vllm_step_reruns_test_files_that_exist():
     assert len(named) >= 10
     for name in named:
         assert (ROOT / name).is_file(), name
+    # Tests picked by name from a file held in a shell variable: each is defined there.
+    files = dict(re.findall(r"^(\w+)=(tests/[\w/]+\.py)$", script, re.M))
+    picked = re.findall(r"\$(\w+)::(\w+)", script)
+    assert picked
+    for variable, test in picked:
+        assert f"def {test}(" in (ROOT / files[variable]).read_text(), (variable, test)
 
 
 def test_every_file_with_gpu_tests_is_in_the_gpu_session():
