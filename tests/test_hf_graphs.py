@@ -284,6 +284,34 @@ def test_own_parts_outgrowing_their_storage_move_to_a_graph_with_more_slots(grap
 
 
 @WITHOUT_LEVELS
+def test_own_parts_growing_past_256_slots_stay_captured_within_the_storage_bound(graph_device):
+    """A long generation: own parts pass 248 tokens (256 slots with 8 free) and every step stays
+    captured. Past 256 the storage grows by 128 slots, not to 512, so a bound that 512 slots
+    would pass holds it; and the default bound is at least the tree's budget."""
+    assert make_runner(graph_device, budget_bytes=8 << 30).graphs.max_storage_bytes == 8 << 30
+    runner = make_runner(graph_device)
+    rng = random.Random(9)
+    prompt = prompt_of(rng, 20)  # under min_shared_tokens: copied into each row's own part
+    runner.logprobs([prompt])
+    particles = extend(rng, [prompt] * 2)
+    step(runner, particles)
+    bytes_per_slot = runner.graphs.stats.storage_bytes // 32  # the first graph has 32 slots
+    runner.graphs.max_storage_bytes = 384 * bytes_per_slot
+    num_steps = 280  # own parts of 21 to 300 tokens: 32, 64, 128, 256 and 384 slots
+    for number in range(1, num_steps):
+        particles = extend(rng, particles)
+        if number % 40 == 0 or number >= num_steps - 3:
+            step(runner, particles)  # rows checked against the plain forward
+        else:
+            runner.logprobs(particles)
+    stats = runner.graphs.stats
+    assert stats.unsupported is None
+    assert stats.num_replays == num_steps, "a step ran eagerly"
+    assert stats.num_captures == 5
+    assert stats.storage_bytes <= runner.graphs.max_storage_bytes
+
+
+@WITHOUT_LEVELS
 def test_a_short_prompt_is_copied_into_every_row_s_own_part(graph_device):
     runner = make_runner(graph_device)
     rng = random.Random(5)

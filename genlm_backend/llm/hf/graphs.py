@@ -53,6 +53,12 @@ from genlm_backend.llm.hf.rows import RowStrategy
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Row counts graphs are captured for: a step's rows are padded to the next one."""
 
+MIN_STORAGE_BYTES = 2 << 30
+"""The graphs' own-part storage bound under a smaller KV tree budget (see :class:`StepGraphs`)."""
+
+SLOT_STEP = 128
+"""Past 256 slots, a new graph's storage grows to the next multiple of this (see :func:`_num_slots`)."""
+
 
 @dataclass(frozen=True)
 class GraphStats:
@@ -133,7 +139,9 @@ class StepGraphs:
         max_positions: The model's longest sequence.
         max_graphs: Most graphs kept (0: every step eager).
         max_storage_bytes: Most bytes of own-part storage kept by the graphs
-            (beyond the tree's budget while the tree no longer holds them).
+            (beyond the tree's budget while the tree no longer holds them); ``None``:
+            :data:`MIN_STORAGE_BYTES` or the tree's budget, whichever is larger, so that
+            a long generation's rows stay captured as far as the tree could keep them.
         strategy: How the captured steps compute their rows (the runner's).
     """
 
@@ -146,7 +154,7 @@ class StepGraphs:
         max_positions: int,
         *,
         max_graphs: int = 8,
-        max_storage_bytes: int = 2 << 30,
+        max_storage_bytes: int | None = None,
         strategy: RowStrategy,
     ):
         self._model_of = model_of
@@ -156,7 +164,11 @@ class StepGraphs:
         self._vocab_size = vocab_size
         self._max_positions = max_positions
         self.max_graphs = max_graphs
-        self.max_storage_bytes = max_storage_bytes
+        self.max_storage_bytes = (
+            max(MIN_STORAGE_BYTES, kv_tree.budget_bytes)
+            if max_storage_bytes is None
+            else max_storage_bytes
+        )
         self.unsupported: str | None = None
         """Why steps run eagerly (``None``: captured where the device can)."""
         self.can_capture = capture.graph_capture(model_of().device) is not None
@@ -409,5 +421,10 @@ def _level_id(piece: Piece) -> tuple[int, int, int, int]:
 
 
 def _num_slots(need: int) -> int:
-    """Slots of a new graph's storage: a power of two with 8 free slots or more past ``need``, at least 32."""
-    return 1 << max(5, (need + 7).bit_length())
+    """Slots of a new graph's storage, with 8 free slots or more past ``need``: a power of two
+    (at least 32) up to 256, then the next multiple of :data:`SLOT_STEP`. Past 256 a move adds
+    at most half the storage, not as much again: 64 rows of an 8B model (128 KiB a token each)
+    need 3 GiB at 384 slots, where doubling asked for 4 GiB at 512."""
+    if need + 8 <= 256:
+        return 1 << max(5, (need + 7).bit_length())
+    return -(-(need + 8) // SLOT_STEP) * SLOT_STEP
