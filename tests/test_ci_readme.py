@@ -122,8 +122,9 @@ def test_every_ci_step_is_a_script_that_exists():
         subprocess.run(["bash", "-n", str(ROOT / script)], check=True)  # parses
 
 
-def test_the_step_budgets_fit_in_thirty_minutes():
-    """Steps outside lanes run first, one after another; then the lanes side by side."""
+def test_the_step_budgets_fit_in_the_ci_limit():
+    """Steps outside lanes run first, one after another; then the lanes side by side. The
+    limit is 30 minutes, of which a CI machine's own start takes about 4."""
     steps = ci_steps()
     lanes = {lane for _, _, _, lane in steps if lane is not None}
     assert len(lanes) == 2
@@ -131,7 +132,7 @@ def test_the_step_budgets_fit_in_thirty_minutes():
     longest_lane = max(
         sum(budget_s for _, _, budget_s, lane in steps if lane == name) for name in lanes
     )
-    assert first + longest_lane <= 30 * 60
+    assert first + longest_lane <= 26 * 60
 
 
 def test_the_vllm_step_reruns_test_files_that_exist():
