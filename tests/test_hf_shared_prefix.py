@@ -267,7 +267,7 @@ async def test_smollm2_long_prompt_particles_match(smollm2_model, smollm2_tokeni
     # Past LevelPolicy's min_unshared_tokens (512): a level even for one row after resampling.
     prompt = smollm2_tokenizer.encode(text * 50)[:600]
     await llm.next_token_logprobs(prompt)
-    await run_particles(llm, prompt, 4, 2, random.Random(13), resample_every=1)
+    await run_particles(llm, prompt, 3, 2, random.Random(13), resample_every=1)
 
 
 # ------------------------------------------------------------------ attention kernels

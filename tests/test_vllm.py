@@ -86,6 +86,13 @@ def backend(request):
     return request.getfixturevalue("smollm2_vllm"), request.getfixturevalue("smollm2_model")
 
 
+@pytest.fixture
+def tiny_backend(tiny_vllm, tiny_reference):
+    """The tiny model only: batching, step splitting and chunked prefills are the engine's,
+    the same for every model (the real model's shape runs in the tests taking ``backend``)."""
+    return tiny_vllm, tiny_reference
+
+
 def random_contexts(seed: int, vocab: int, count: int, max_len: int = 20) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(8)]
@@ -104,15 +111,15 @@ def test_single_context(backend):
     assert torch.logsumexp(row, 0).item() == pytest.approx(0.0, abs=1e-5)
 
 
-def test_batch_split_over_steps(backend):
-    llm, model = backend
+def test_batch_split_over_steps(tiny_backend):
+    llm, model = tiny_backend
     contexts = random_contexts(seed=1, vocab=llm.vocab_size, count=3 * MAX_NUM_SEQS + 1)
     rows = llm.batch_next_token_logprobs_sync(contexts)
     assert_matches(llm, model, contexts, rows)
 
 
-def test_long_prompts_prefilled_in_chunks(backend):
-    llm, model = backend
+def test_long_prompts_prefilled_in_chunks(tiny_backend):
+    llm, model = tiny_backend
     rng = random.Random(2)
     contexts = [
         [rng.randrange(llm.vocab_size) for _ in range(length)]
@@ -122,8 +129,8 @@ def test_long_prompts_prefilled_in_chunks(backend):
     assert_matches(llm, model, contexts, rows)
 
 
-async def test_concurrent_requests_are_batched(backend):
-    llm, model = backend
+async def test_concurrent_requests_are_batched(tiny_backend):
+    llm, model = tiny_backend
     contexts = random_contexts(seed=3, vocab=llm.vocab_size, count=12)
     batches_before = llm.stats.num_batches
     rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
