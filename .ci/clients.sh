@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The client libraries' own test suites, run against genlm_backend through the
 # opt-in `genlm.backend` alias (`pytest -p genlm_backend.alias`):
-#   genlm-control 0.4.1, genlm-bytes 0.2.0, llamppl 0.2.3 and upstream
-#   genlm-backend 0.3.1's suite, each from its PyPI sdist.
+#   genlm-control 0.4.1, genlm-bytes 0.2.0, llamppl 0.2.3 (and, with CLIENTS_SUITES=upstream,
+#   upstream genlm-backend 0.3.1's own suite), each from its PyPI sdist.
 # Hub model names resolve offline to local assets (.ci/clients/hub_cache.py).
 # Tests that need a GPU, MLX, SGLang or vLLM, or assets that cannot exist
 # offline, are deselected with their reason (.ci/clients/not_runnable.txt); so are
@@ -16,7 +16,7 @@
 # (no alias, no known departures): the baseline that the departures are measured against.
 #
 # Environment: CLIENTS_VENV (default: a fresh one, removed at exit), CLIENTS_WORK (default
-# /tmp/clients-work), CLIENTS_SUITES (default "control bytes llamppl upstream"),
+# /tmp/clients-work), CLIENTS_SUITES (default "control bytes llamppl"; also "upstream"),
 # CLIENTS_BACKEND (ours | upstream), CLIENTS_PYTEST_WORKERS (pytest-xdist workers,
 # default 2), CLIENTS_TEST_TIMEOUT_S (per test, default 600: a hang guard; under load
 # genlm-control's Hypothesis test of AWRS with a perturbed proposal took over 300 s).
@@ -33,7 +33,9 @@ else
     trap 'rm -rf "$(dirname "$venv")"' EXIT
 fi
 work="${CLIENTS_WORK:-/tmp/clients-work}"
-suites="${CLIENTS_SUITES-control bytes llamppl upstream}"
+# Upstream's own suite ("upstream") is not in CI's default: 100 s there, and the public API's
+# parity with 0.3.1 is tests/test_api_parity.py's (README step); CLIENTS_SUITES=upstream runs it.
+suites="${CLIENTS_SUITES-control bytes llamppl}"
 python="$venv/bin/python"
 export CLIENTS_PYTEST_WORKERS="${CLIENTS_PYTEST_WORKERS-2}"
 export CLIENTS_TEST_TIMEOUT_S="${CLIENTS_TEST_TIMEOUT_S:-600}"
@@ -96,9 +98,12 @@ if [ "$backend" = "ours" ] && [[ " $suites " == *" control "* ]]; then
     (cd "$repo" && "$python" -m pytest -q -p no:cacheprovider tests/test_serve_control.py \
         tests/test_notebooks.py::test_genlm_control_regex_notebook_samples_matching_emails) ||
         status=1
+    # test_llm.py's three Hypothesis tests (50 examples each) compare served rows with the same
+    # served rows' sums: they ran in-process above, and here cost about a minute of CI.
     (cd "$work/src/ours/genlm_control-0.4.1" &&
         PYTHONPATH="$repo/.ci/clients" "$python" -m pytest -q -p no:cacheprovider \
             -p genlm_backend.alias -p through_server --timeout="$CLIENTS_TEST_TIMEOUT_S" \
+            -k "not test_scoring and not test_properties and not test_batch_consistency" \
             tests/potential/test_llm.py tests/potential/test_canonical.py) || status=1
 fi
 "$python" "$repo/.ci/clients/run_suite.py" --summary --work "$work" --backend "$backend"
