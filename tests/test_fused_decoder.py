@@ -110,7 +110,8 @@ class CausalCache:
         self.keys[layer], self.values[layer] = key, value
         num_new, num_keys = query.shape[2], key.shape[2]
         # new token i sits at key position num_keys - num_new + i
-        mask = torch.ones(num_new, num_keys, dtype=torch.bool).tril(num_keys - num_new)
+        mask = torch.ones(num_new, num_keys, dtype=torch.bool, device=query.device)
+        mask = mask.tril(num_keys - num_new)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -145,7 +146,10 @@ def check(decoder, reference, cache, contexts, num_new, reads) -> float:
     batch, length = contexts.shape
     positions = torch.arange(length - num_new, length).expand(batch, -1)
     # a slice of longer rows, positions expanded: inputs of any layout, as a runner's are
-    logits = decoder(contexts[:, -num_new:], positions, cache.attend, reads)
+    device = decoder.weights.embed.device
+    on_device = None if reads is None else tuple(index.to(device) for index in reads)
+    new = contexts[:, -num_new:].to(device)
+    logits = decoder(new, positions.to(device), cache.attend, on_device).cpu()
     if reads is None:
         reads = (torch.arange(batch), torch.full((batch,), num_new - 1))
     expected = torch.stack(
@@ -229,6 +233,18 @@ def test_eager_bfloat16_rows_are_as_close_to_float32_as_bfloat16_allows(family):
 def test_compiled_bfloat16_rows_are_as_close_to_float32_as_bfloat16_allows():
     reference = Reference(build("qwen3"), VOCAB)
     decoder = FusedDecoder.of(build("qwen3", torch.bfloat16))
+    assert check_compiled(decoder, reference.row) <= BF16_ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama3.1", "qwen3"])
+def test_compiled_bfloat16_rows_on_cuda_are_as_close_to_float32_as_bfloat16_allows(family):
+    """The decoder as bench_gpu_step's G-fused runs it: compiled, bfloat16, on the GPU (Triton
+    kernels from inductor), against the float32 plain forward on the CPU."""
+    reference = Reference(build(family), VOCAB)
+    decoder = FusedDecoder.of(build(family, torch.bfloat16).cuda())
+    assert not decoder.spec.split_gate_up  # the GPU's default: one gate/up product
     assert check_compiled(decoder, reference.row) <= BF16_ATOL
 
 

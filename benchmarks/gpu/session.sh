@@ -46,7 +46,14 @@ python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', tor
 tests() {
     part tests 200 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
         tests/test_hf_graphs.py tests/test_hf_shared_prefix.py tests/test_serve_slab.py tests/test_base.py \
-        tests/test_deterministic.py tests/test_exact_fused.py tests/test_trie.py tests/test_split_level.py
+        tests/test_deterministic.py tests/test_exact_fused.py tests/test_trie.py tests/test_split_level.py \
+        tests/test_fused_decoder.py
+}
+# The fused decoder compiled for CUDA (inductor's Triton kernels), bfloat16, against the plain
+# forward: the -m gpu tests of tests/test_fused_decoder.py alone (also in the tests part).
+fused_tests() {
+    part fused_tests 120 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider \
+        tests/test_fused_decoder.py
 }
 # deterministic=True on the device: a row's bits against the row computed alone.
 exact_rows() {
@@ -77,14 +84,25 @@ split_level() {
 sampling() { part sampling 30 python3 benchmarks/bench_sampling.py --vocab 128256 --repeats 300; }
 # A batch call's auto-batching over its runner on this host's CPU (no model: the per-key cost).
 batch_call() { part batch_call 30 python3 benchmarks/bench_batch_call.py --vocab 128256 --repeats 200; }
-# R (the bandwidth limit), G (an engine step), ours-runner and ours, one process per workload;
-# and ours-runner and ours with deterministic=True.
+# R (the bandwidth limit), G (an engine step), G-fused (the fused decoder's step, compiled and
+# captured; its first pass compiles cold on a fresh machine, bounded by --compile-deadline),
+# ours drawing each particle's token on the device, ours-runner, ours with rows to the host;
+# one process per shape, each figure printed as measured. step_8b_exact/step_1b_exact: the
+# same with ours-runner and ours under deterministic=True (measured before: BENCHMARKS.md).
 step_8b() {
-    part step_8b 170 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
-        --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096 --deterministic
+    part step_8b 220 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096 --compile-deadline 150
 }
 step_1b() {
-    part step_1b 90 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+    part step_1b 140 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_2_1b --workloads 64x32@4096 --compile-deadline 100
+}
+step_8b_exact() {
+    part step_8b_exact 200 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
+        --random-weights $CONFIGS/llama3_8b --workloads 64x32@4096 --deterministic
+}
+step_1b_exact() {
+    part step_1b_exact 120 python3 benchmarks/bench_gpu_step.py --device cuda --dtype bfloat16 \
         --random-weights $CONFIGS/llama3_2_1b --workloads 64x32@4096 --deterministic
 }
 # serve's GPU leg: 4 clients x 16 particles against one process of 64, 1B shape.
@@ -117,7 +135,7 @@ paired_8b() {
         --random-weights $CONFIGS/llama3_8b --workloads 64x16@4096 --paired 3
 }
 
-ORDER="step_8b step_1b tests exact_rows exact_rows_refused kernels split_level step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b"
+ORDER="step_8b step_1b fused_tests tests exact_rows exact_rows_refused kernels split_level step_smollm2 sampling batch_call serve_1b serve_1b_paired profile_8b paired_8b step_8b_exact step_1b_exact"
 for name in ${PARTS:-$ORDER}; do
     [[ " $ORDER " == *" $name "* ]] || { echo "== $name: no such part (parts: $ORDER)"; exit 2; }
     "$name"
