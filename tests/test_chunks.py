@@ -89,6 +89,30 @@ async def test_a_coroutine_woken_during_a_chunk_runs_before_the_next_chunk():
     llm.close()
 
 
+async def test_no_step_computes_a_chunk_and_the_rows_together():
+    """A shared prefix's last piece, shorter than a chunk, is a step of its own: the rows' step
+    computes only the rows' own tokens (computed with them, the piece made that step the
+    longest: a loop held for a chunk and the rows' pass at once)."""
+    llm = tiny_llm(chunk_tokens=64)
+    contexts = first_batch(prefix_tokens=170, num_particles=6)  # 64 + 64 + 42, then 6 rows
+    computed = llm.runner.driver
+    per_step: list[int] = []
+    step = llm.engine.batcher.step
+
+    def counted(todo):
+        before = computed.num_tokens_computed
+        outcome = step(todo)
+        per_step.append(computed.num_tokens_computed - before)
+        return outcome
+
+    llm.engine.batcher.step = counted
+    rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert per_step == [64, 64, 42, 6 * 2], per_step  # then each row its own two tokens
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    llm.close()
+
+
 @pytest.mark.parametrize("compute_in_loop", [True, False])
 async def test_steps_are_cut_only_in_the_loop_s_thread(compute_in_loop):
     llm = tiny_llm(chunk_tokens=32, compute_in_loop=compute_in_loop)

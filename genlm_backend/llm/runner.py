@@ -358,14 +358,17 @@ class PrefixCacheDriver:
         self, contexts: Sequence[tuple[int, ...]], namespace: Hashable, max_tokens: int
     ) -> int:
         """Compute a chunk of at most ``max_tokens`` tokens of the long prefills among
-        ``contexts``: the tokens computed (0 when no context's row has more than
-        ``max_tokens`` tokens to compute, and nothing was computed).
+        ``contexts``: the tokens computed (0 when nothing needed chunking, and nothing
+        was computed).
 
-        A chunk is the next tokens of the prefixes several long contexts share
-        and the tree lacks, or else of each long context up to its last token,
-        in order; it enters the tree, so the next chunk, and the rows, continue
-        from it. Short contexts are left to the rows' pass: many rows of a few
-        tokens (particles' steps) are one cheap pass, not a long one. A shared
+        Nothing is chunked when the contexts need ``max_tokens`` tokens or
+        fewer in all. Else a chunk is the next tokens of the prefixes several
+        contexts share and the tree lacks (``min_prefill_tokens`` or more, as
+        :meth:`prefill_shared` computes them), or else of each context longer
+        than ``max_tokens`` up to its last token, in order; it enters the
+        tree, so the next chunk, and the rows, continue from it. Short
+        contexts are left to the rows' pass: many rows of a few tokens
+        (particles' steps) are one cheap pass, not a long one. A shared
         prefix's chunk takes its whole rest when less than
         ``min_prefill_tokens`` would be left (a chunk then exceeds ``max_tokens``
         by less than that): a shorter rest would be computed by every row. With
@@ -375,17 +378,20 @@ class PrefixCacheDriver:
         pass computes the rest, so chunking always ends.
         """
         hosts = [lookup for lookup, _ in planner.nest(self.lookup(contexts, namespace))]
-        long = [lookup.context for lookup in hosts if lookup.num_new > max_tokens]
-        if not long:
-            return 0
+        if sum(lookup.num_new for lookup in hosts) <= max_tokens:
+            return 0  # the whole step is no longer than a chunk
         cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
         work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
         min_shared = 0  # the shortest rest of a shared prefix left to a later chunk
         if self.level_policy.enabled:
+            # A shared prefix goes alone, in chunks, even when its rest fits in one: computed
+            # with the rows, it would make their step a chunk and the rows' pass together.
             min_shared = self.level_policy.min_prefill_tokens
-            rounds = planner.shared_uncached_prefixes(long, cached, min_shared)
+            sharing = [lookup.context for lookup in hosts if lookup.num_new > min_shared]
+            rounds = planner.shared_uncached_prefixes(sharing, cached, min_shared)
             work = [(prefix, len(prefix)) for prefix in rounds[0]] if rounds else []
         if not work:
+            long = [lookup.context for lookup in hosts if lookup.num_new > max_tokens]
             work, min_shared = [(context, len(context) - 1) for context in long], 0
         block = self.level_policy.block_tokens
         chunks, budget = [], max_tokens
