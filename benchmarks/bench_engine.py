@@ -20,8 +20,9 @@ processes and minutes: ratios within a round are what to trust), ``--rounds`` ro
   ``AsyncTransformer``'s defaults; each particle draws from its own row.
 
 ``ours-runner`` also reports its model time: the model's forward and the rows'
-log-softmax, timed inside the step; the rest of the runner's step (lookup,
-plan, inputs, commit) is its host work. Each round reports the microseconds
+log-softmax, timed inside the step (and the step's greedy draw, timed apart:
+not the runner's); the rest of the runner's step (lookup, plan, inputs,
+commit) is its host work. Each round reports the microseconds
 a request costs in ours beyond ours-runner (the front and the engine), and the
 runner's host work per step.
 * ``floor``: what an exact step cannot skip behind a T-token prompt: the
@@ -155,10 +156,12 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
             model_s[0] = 0.0
             start = time.perf_counter()
             rows = runner.run([Request(None, context) for context in contexts])
+            drawn = time.perf_counter()
             chosen = rows.argmax(-1).tolist()
             contexts = [(*context, token) for context, token in zip(contexts, chosen)]
-            times.append(time.perf_counter() - start)
-            model_times.append(model_s[0])
+            end = time.perf_counter()
+            times.append(end - start)
+            model_times.append(model_s[0] + end - drawn)  # the draw is not the runner's work
     finally:
         del model.forward
         hf_runner.fit_to_vocab = fit
