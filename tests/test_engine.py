@@ -201,6 +201,21 @@ async def test_the_budget_cuts_steps_in_arrival_order_by_the_runner_s_count(mode
     await llm.aclose()
 
 
+async def test_costs_are_looked_up_only_when_the_contexts_lengths_exceed_the_budget():
+    """A request costs at most its context's length: contexts whose lengths fit are one step
+    without a cost lookup each (a KV tree lookup per request for the transformers runner)."""
+    llm = make_llm(max_batch_tokens=6)
+    looked_up: list[tuple[int, ...]] = []
+    recording = Recording(llm, cost=lambda context: looked_up.append(context) or len(context))
+    fits = [(1, 2), (3, 4), (5, 6)]
+    check_rows(await bounded(llm.batch_next_token_logprobs(fits)), fits)
+    assert recording.batches == [fits] and looked_up == []
+    over = [(1, 2, 3), (4, 5, 6), (7,)]
+    check_rows(await bounded(llm.batch_next_token_logprobs(over)), over)
+    assert recording.batches[1:] == [over[:2], over[2:]] and looked_up[:2] == over[:2]
+    await llm.aclose()
+
+
 async def test_a_request_over_the_budget_goes_alone_and_later_calls_follow_in_order():
     llm = make_llm(max_batch_tokens=4)
     recording = Recording(llm, cost=len)
@@ -242,17 +257,19 @@ async def test_a_full_count_takes_the_calls_without_waiting_for_the_timeout():
 
 
 def test_a_failing_cost_fails_its_batch_only_and_the_engine_goes_on():
+    """Costs are looked up when the contexts' lengths exceed the budget (else all fit)."""
     llm = make_llm(max_batch_tokens=10)
+    long = (13,) * 11
 
     def cost(context):
-        if context == (13,):
-            raise KeyError("no cost for (13,)")
+        if context == long:
+            raise KeyError("no cost for (13, ...)")
         return 1
 
     Recording(llm, cost=cost)
 
     async def main():
-        bad = asyncio.ensure_future(llm.next_token_logprobs([13]))
+        bad = asyncio.ensure_future(llm.next_token_logprobs(list(long)))
         with pytest.raises(KeyError, match="no cost"):
             await bounded(bad)
         return await bounded(llm.next_token_logprobs([7]))

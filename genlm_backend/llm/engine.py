@@ -267,6 +267,11 @@ class Engine:
         config = self.config
         if config.max_batch_tokens is None:
             return todo[: config.max_batch_size]
+        # A request costs at most its whole text (Runner.request_tokens): when the texts fit,
+        # so do the costs, and none is looked up (a KV tree lookup per request).
+        fits_count = config.max_batch_size is None or len(todo) <= config.max_batch_size
+        if fits_count and sum(map(_text_tokens, todo)) <= config.max_batch_tokens:
+            return todo
         costs = (self.runner.request_tokens(_as_request(r)) for r in todo)
         return todo[: config.next_batch_length(costs)]
 
@@ -387,6 +392,13 @@ def own_copy(value: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(value.numpy().copy())
     with torch.inference_mode(False):
         return value.clone()
+
+
+def _text_tokens(request: Key) -> int:
+    """The tokens of a request's whole text (a score request's context and continuation)."""
+    if type(request) is ScoreRequest:
+        return len(request.context) + len(request.continuation)
+    return len(request.context)
 
 
 def _as_request(request: Key) -> Request:

@@ -169,7 +169,9 @@ class Runner(Protocol):
         """
 
     def request_tokens(self, request: Request) -> int:
-        """A request's cost against the batch token budget (at least 1).
+        """A request's cost against the batch token budget: at least 1, at most
+        ``len(request.context)`` (the engine skips the lookups when the contexts' lengths
+        fit the budget).
 
         Called from the event loop while a batch may run: an estimate is fine.
         """
