@@ -135,6 +135,8 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
     runner = llm.runner
     runner.run([Request(None, tuple(prompt))])
     contexts = [(*prompt, first) for first in firsts]
+    parents: list = [None] * len(contexts)  # each request's context one token shorter, as the
+    # front passes it (the KV tree then finds its node by the tuple's identity)
     model_s = [0.0]
     forward, fit = model.forward, runner_module.fit_to_vocab
 
@@ -155,9 +157,11 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
         for _ in range(total):
             model_s[0] = 0.0
             start = time.perf_counter()
-            rows = runner.run([Request(None, context) for context in contexts])
+            requests = [Request(None, c, p) for c, p in zip(contexts, parents)]
+            rows = runner.run(requests)
             drawn = time.perf_counter()
             chosen = rows.argmax(-1).tolist()
+            parents = contexts
             contexts = [(*context, token) for context, token in zip(contexts, chosen)]
             end = time.perf_counter()
             times.append(end - start)

@@ -90,3 +90,34 @@ def test_a_default_step_imports_nothing_of_deterministic_mode():
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_a_particle_step_reads_no_context_whole(monkeypatch):
+    """Behind a 300-token prompt, a step of particles finds each context's node in the KV tree
+    by its parent's identity (the tuple the front validated one step before): no key compares
+    two different tuples of tokens, each such comparison a whole context read."""
+    from genlm_backend.cache.kv_tree import ContextKey
+
+    compared: list[int] = []
+    original = ContextKey.__eq__
+
+    def eq(self, other):
+        if isinstance(other, ContextKey) and self.tokens is not other.tokens:
+            compared.append(len(self.tokens))
+        return original(self, other)
+
+    monkeypatch.setattr(ContextKey, "__eq__", eq)
+    llm = AsyncTransformer(build_tiny_llama(256), None, byte_vocab=[bytes([i]) for i in range(256)])
+    prompt = [(5 * i + 2) % 256 for i in range(300)]
+
+    async def main() -> None:
+        particles = [[*prompt, i] for i in range(8)]
+        await asyncio.gather(*map(llm.next_token_logprobs, particles))
+        compared.clear()
+        for step in range(3):
+            particles = [[*particle, step + 9] for particle in particles]
+            await asyncio.gather(*map(llm.next_token_logprobs, particles))
+
+    asyncio.run(main())
+    llm.close()
+    assert compared == []

@@ -262,7 +262,10 @@ class KVPrefixTree:
         )
 
     def longest_prefix(
-        self, context: Sequence[int], namespace: Hashable = None
+        self,
+        context: Sequence[int],
+        namespace: Hashable = None,
+        parent: tuple[int, ...] | None = None,
     ) -> tuple[KVEntry | None, int]:
         """The entry covering the longest prefix of ``context``, and that prefix's length.
 
@@ -270,9 +273,10 @@ class KVPrefixTree:
         longer (``context`` or a branch of it shares its first tokens); either
         way ``entry.pieces(n)`` locates the keys/values of ``context[:n]``.
         Returns ``(None, 0)`` when nothing is shared. Marks the entry and its
-        ancestors used.
+        ancestors used. ``parent``: see
+        :meth:`TokenTrie.deepest <genlm_backend.cache.kv_tree.TokenTrie.deepest>`.
         """
-        node, depth = self._trie.deepest(context, namespace)
+        node, depth = self._trie.deepest(context, namespace, parent)
         if node is None or depth == 0:
             return None, 0
         best = self._any_entry_below(node)

@@ -343,21 +343,30 @@ class PrefixCacheDriver:
         return max(1, len(context) - self.kv_tree.cached_length(context, namespace, parent))
 
     def logprobs(
-        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable = None
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        namespace: Hashable = None,
+        parents: Sequence[tuple[int, ...] | None] | None = None,
     ) -> torch.Tensor:
         """``float32 [len(contexts), V]``: the next-token log-probabilities after each context,
         keys/values kept under ``namespace``.
 
         Several contexts sharing a long prefix not cached yet get it computed
         once first, as a batch of its own; then the batch is planned once and executed.
+        ``parents``: each context's :attr:`Request.parent <genlm_backend.llm.runner.Request.parent>`
+        (the tree finds its node by the tuple's identity, without reading the context).
         """
-        lookups = self.lookup(contexts, namespace)
+        lookups = self.lookup(contexts, namespace, parents)
         if self.level_policy.enabled and self.prefill_shared(lookups, namespace):
             lookups = self.lookup(contexts, namespace)  # the tree changed: look again
         return self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
 
     def advance(
-        self, contexts: Sequence[tuple[int, ...]], namespace: Hashable, max_tokens: int
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        namespace: Hashable,
+        max_tokens: int,
+        parents: Sequence[tuple[int, ...] | None] | None = None,
     ) -> int:
         """Compute a chunk of at most ``max_tokens`` tokens of the long prefills among
         ``contexts``: the tokens computed (0 when nothing needed chunking, and nothing
@@ -377,10 +386,14 @@ class PrefixCacheDriver:
         ``block_tokens`` levels (exact rows), a chunk that reaches past a block
         boundary ends at one. When the tree cannot keep a chunk whole (a
         budget below the prefill's keys/values), returns 0 as well: the rows'
-        pass computes the rest, so chunking always ends.
+        pass computes the rest, so chunking always ends. ``parents``: as for :meth:`logprobs`.
         """
-        hosts = [lookup for lookup, _ in planner.nest(self.lookup(contexts, namespace))]
-        if sum(lookup.num_new for lookup in hosts) <= max_tokens:
+        if sum(map(len, contexts)) <= max_tokens:
+            return 0  # the whole step is no longer than a chunk, whatever the tree holds
+        lookups = self.lookup(contexts, namespace, parents)
+        hosts = [lookup for lookup, _ in planner.nest(lookups)]
+        # A context several requests share (a scoring call's) counts once.
+        if sum({id(lookup.context): lookup.num_new for lookup in hosts}.values()) <= max_tokens:
             return 0  # the whole step is no longer than a chunk
         cached = lambda prefix: self.kv_tree.cached_length(prefix, namespace)  # noqa: E731
         work: list[tuple[tuple[int, ...], int]] = []  # (prefix, its tokens to compute)
@@ -418,11 +431,18 @@ class PrefixCacheDriver:
             return 0  # the tree could not keep a chunk: no progress, the rows' pass computes all
         return max_tokens - budget
 
-    def lookup(self, contexts: Sequence[tuple[int, ...]], namespace: Hashable) -> list[Lookup]:
+    def lookup(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        namespace: Hashable,
+        parents: Sequence[tuple[int, ...] | None] | None = None,
+    ) -> list[Lookup]:
         """What the tree holds of each context (its last token always runs: it gives the logits)."""
         found = []
+        longest_prefix = self.kv_tree.longest_prefix
         for i, context in enumerate(contexts):
-            entry, shared = self.kv_tree.longest_prefix(context, namespace)
+            parent = None if parents is None else parents[i]
+            entry, shared = longest_prefix(context, namespace, parent)
             reused = min(shared, len(context) - 1)
             found.append(Lookup(i, context, entry if reused > 0 else None, reused))
         return found
@@ -593,18 +613,26 @@ class PrefixCacheRunner:
         if len(groups) == 1:  # one adapter: the rows are already in order
             ((adapter, _),) = groups.items()
             with self.adapters.active(adapter):
-                return self.logprobs([request.context for request in requests], adapter)
+                contexts = [request.context for request in requests]
+                return self.logprobs(contexts, adapter, [request.parent for request in requests])
         out = torch.empty(
             len(requests), self.vocab_size, dtype=torch.float32, device=self.output_device
         )
         for adapter, positions in groups.items():
             with self.adapters.active(adapter):
-                out[positions] = self.logprobs([requests[i].context for i in positions], adapter)
+                contexts = [requests[i].context for i in positions]
+                parents = [requests[i].parent for i in positions]
+                out[positions] = self.logprobs(contexts, adapter, parents)
         return out
 
-    def logprobs(self, contexts: Sequence[tuple[int, ...]], namespace=None) -> torch.Tensor:
+    def logprobs(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        namespace=None,
+        parents: Sequence[tuple[int, ...] | None] | None = None,
+    ) -> torch.Tensor:
         """The driver's rows of ``contexts`` with the model as it is (no adapter activated)."""
-        return self.driver.logprobs(contexts, namespace)
+        return self.driver.logprobs(contexts, namespace, parents)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Each continuation scored from one forward pass over it, its context's keys/values reused."""
@@ -627,8 +655,9 @@ class PrefixCacheRunner:
         budget = max_tokens
         for adapter, positions in group_by_adapter(requests).items():
             contexts = [requests[i].context for i in positions]
+            parents = [getattr(requests[i], "parent", None) for i in positions]
             with self.adapters.active(adapter):
-                budget -= self.driver.advance(contexts, adapter, budget)
+                budget -= self.driver.advance(contexts, adapter, budget, parents)
             if budget <= 0:
                 break
         return max_tokens - budget

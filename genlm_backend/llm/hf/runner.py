@@ -137,9 +137,9 @@ class HFRunner(PrefixCacheRunner):
         return self.executor.graphs
 
     @torch.inference_mode()
-    def logprobs(self, contexts, namespace=None) -> torch.Tensor:
+    def logprobs(self, contexts, namespace=None, parents=None) -> torch.Tensor:
         """``float32 [len(contexts), vocab_size]``: the rows after ``contexts``, the model as it is."""
-        return self.driver.logprobs(contexts, namespace)
+        return self.driver.logprobs(contexts, namespace, parents)
 
     @torch.inference_mode()
     def score_continuations(self, pairs, namespace=None) -> list[torch.Tensor]:
