@@ -39,7 +39,7 @@ part() {  # part NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, report i
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # Preflight: the library and the model classes import before anything long runs.
-python3 -c "import torch, transformers, genlm_backend.llm.hf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+python3 -c "import torch, transformers, genlm_backend.llm.hf, genlm_backend.llm.hf.fused; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
 # Every test marked gpu (each file holding one is listed; tests/test_ci_readme.py checks it):
 # captured steps on real CUDA graphs and the CUDA runner, every row against run_uncached.
