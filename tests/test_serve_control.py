@@ -43,7 +43,7 @@ EMAIL = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,12}\.(com|org|net)"
 REQUEST = "Make up a work email address for Jane Doe. Answer with the address only."
 
 
-def awrs_smc(llm, num_particles: int = 6, max_tokens: int = 10):
+def awrs_smc(llm, num_particles: int = 4, max_tokens: int = 6):
     """Regex-constrained AWRS SMC on ``llm``, seeded: (particles' contexts, log weights)."""
     import genlm_backend.alias
 
