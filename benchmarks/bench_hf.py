@@ -15,6 +15,9 @@ variant runs in its own process (clean peak RSS):
   thread, as a server runs them; the default runs them in the event loop's thread).
 * ``ours+fused``: ``ours`` with ``executor="fused"`` (the fused Llama-family
   decoder, compiled on its first pass: the compile is inside the timed run).
+* ``ours+fused-warm``: the same, compiled before the timed run (one batch of two
+  contexts, then the caches cleared): the fused step's own speed, and the
+  compile's seconds apart (``compile_s``).
 * ``baseline``: ``ours`` as another checkout of this repository runs it
   (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
@@ -43,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 UPSTREAM_PYTHON = Path(os.environ.get("UPSTREAM_VENV", "/work/venvs/upstream")) / "bin" / "python"
 PROMPT = "Write a short story about a fox who learns to read. Once upon a time, in a quiet forest,"
 VARIANTS = ("floor", "ours", "upstream", "upstream+cache_kv")
-OPTIONAL_VARIANTS = ("baseline", "ours+worker", "ours+fused")
+OPTIONAL_VARIANTS = ("baseline", "ours+worker", "ours+fused", "ours+fused-warm")
+OURS_VARIANTS = ("ours", "ours+worker", "ours+fused", "ours+fused-warm")
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -60,14 +64,17 @@ def run_variant(
     torch.set_num_threads(2)
     if variant == "floor":
         seconds = _run_floor(particles, steps, model_dir)
-    elif variant in ("ours", "ours+worker", "ours+fused"):
+    elif variant in OURS_VARIANTS:
         in_loop = variant != "ours+worker"
-        executor = "fused" if variant == "ours+fused" else None
-        seconds, stats = _run_ours(particles, steps, model_dir, batch_size, in_loop, executor)
+        executor = "fused" if variant.startswith("ours+fused") else None
+        precompile = variant == "ours+fused-warm"
+        seconds, stats = _run_ours(
+            particles, steps, model_dir, batch_size, in_loop, executor, precompile
+        )
     else:
         raise ValueError(variant)
     result = {"variant": variant, "seconds": seconds, "peak_rss_mb": _peak_rss_mb()}
-    if variant in ("ours", "ours+worker", "ours+fused"):
+    if variant in OURS_VARIANTS:
         result["stats"] = stats
     return result
 
@@ -116,6 +123,7 @@ def _run_ours(
     batch_size: int | None,
     in_loop: bool = True,
     executor: str | None = None,
+    precompile: bool = False,
 ):
     import asyncio
     import dataclasses
@@ -132,6 +140,12 @@ def _run_ours(
     llm = AsyncTransformer(model, tokenizer, compute_in_loop=in_loop, **options)
     prompt = prompt_ids(tokenizer)
     llm.next_token_logprobs_uncached(prompt)  # warm-up, caches nothing
+    compile_s = None
+    if precompile:  # one pass of new tokens compiles every function later passes run
+        began = time.perf_counter()
+        llm.batch_next_token_logprobs_sync([[*prompt, 0], [*prompt, 1]])
+        compile_s = time.perf_counter() - began
+        llm.clear_cache()
 
     async def particle(seed: int):
         generator = torch.Generator().manual_seed(seed)
@@ -147,6 +161,8 @@ def _run_ours(
     asyncio.run(main())
     seconds = time.perf_counter() - start
     stats = dataclasses.asdict(llm.stats) | {"mean_batch_size": llm.stats.mean_batch_size}
+    if compile_s is not None:
+        stats["compile_s"] = compile_s
     return seconds, stats
 
 
@@ -238,7 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--baseline-tree", type=Path, help="checkout whose 'ours' the baseline variant runs"
     )
-    parser.add_argument("--child", choices=("floor", "ours", "ours+worker"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("floor", *OURS_VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--particles", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
