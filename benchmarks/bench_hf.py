@@ -17,7 +17,7 @@ variant runs in its own process (clean peak RSS):
   decoder, compiled on its first pass: the compile is inside the timed run).
 * ``ours+fused-warm``: the same, compiled before the timed run (one batch of two
   contexts, then the caches cleared): the fused step's own speed, and the
-  compile's seconds apart (``compile_s``).
+  compile's seconds apart (``compile_s``; its token counts include that batch's).
 * ``baseline``: ``ours`` as another checkout of this repository runs it
   (``--baseline-tree``, e.g. the main branch), to compare two versions.
 * ``upstream``, ``upstream+cache_kv``: genlm-backend 0.3.1's ``AsyncTransformer``
