@@ -126,6 +126,7 @@ def _loop(model, prompt, firsts, total) -> float:
 
 
 def _runner(model, prompt, firsts, total) -> tuple[float, float]:
+    from genlm_backend.cache.kv_tree import untracked
     from genlm_backend.llm import runner as runner_module
     from genlm_backend.llm.hf import AsyncTransformer
     from genlm_backend.llm.hf import runner as hf_runner
@@ -134,7 +135,7 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
     llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(49152)])
     runner = llm.runner
     runner.run([Request(None, tuple(prompt))])
-    contexts = [(*prompt, first) for first in firsts]
+    contexts = [untracked((*prompt, first)) for first in firsts]
     parents: list = [None] * len(contexts)  # each request's context one token shorter, as the
     # front passes it (the KV tree then finds its node by the tuple's identity)
     model_s = [0.0]
@@ -162,7 +163,8 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
             drawn = time.perf_counter()
             chosen = rows.argmax(-1).tolist()
             parents = contexts
-            contexts = [(*context, token) for context, token in zip(contexts, chosen)]
+            # Untracked by the garbage collector, as the front leaves a validated context.
+            contexts = [untracked((*context, token)) for context, token in zip(contexts, chosen)]
             end = time.perf_counter()
             times.append(end - start)
             model_times.append(model_s[0] + end - drawn)  # the draw is not the runner's work

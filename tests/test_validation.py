@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import re
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from genlm_backend.cache import kv_tree
 from genlm_backend.cache.kv_tree import context_hash
 from genlm_backend.llm import MockAsyncLM
 from genlm_backend.llm.base import (
@@ -190,3 +193,28 @@ def test_recent_contexts_hold_at_most_their_token_budget():
     assert parent is not None
     _, parent, _ = recent.validate([0] * 10 + [1])  # the oldest were forgotten
     assert parent is None
+
+
+@pytest.mark.skipif(kv_tree._GC_UNTRACK is None, reason="untracking needs CPython with the GIL")
+def test_validated_contexts_are_left_to_reference_counting():
+    """A context of plain ints is in no reference cycle: the garbage collector never reads it.
+
+    Tracked, each particle's context (thousands of ints behind a long
+    prompt) is read by the collection after its step, every step.
+    """
+    long = [i % VOCAB_SIZE for i in range(300)]
+    given_kinds = (
+        long,
+        tuple(long),
+        np.array(long),
+        torch.tensor(long),
+        [np.int64(t) for t in long],
+    )
+    for token_ids in given_kinds:
+        context = validate_token_ids(token_ids, VOCAB_SIZE)
+        assert context == tuple(long) and not gc.is_tracked(context)
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    recent.validate(long)
+    context, parent, _ = recent.validate([*long, 7])
+    assert parent is not None and not gc.is_tracked(context)
+    assert gc.is_tracked((object(),))  # the check above can fail: a fresh tuple is tracked

@@ -34,6 +34,9 @@ node found is also kept by the tuple's identity for the later lookups.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import sysconfig
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -54,6 +57,7 @@ __all__ = [
     "Placement",
     "TokenTrie",
     "context_hash",
+    "untracked",
 ]
 
 HASHED_TAIL = 32
@@ -63,6 +67,34 @@ HASHED_TAIL = 32
 def context_hash(tokens: tuple[int, ...]) -> int:
     """A hash of ``tokens`` from its length and last :data:`HASHED_TAIL` tokens (equal tuples, equal hashes)."""
     return hash((len(tokens), tokens[-HASHED_TAIL:]))
+
+
+def _gc_untrack_function():
+    """CPython's ``PyObject_GC_UnTrack`` (``None`` elsewhere: a build without the GIL tracks
+    objects its own way)."""
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    untrack = ctypes.pythonapi.PyObject_GC_UnTrack
+    untrack.argtypes, untrack.restype = [ctypes.py_object], None
+    return untrack
+
+
+_GC_UNTRACK = _gc_untrack_function()
+
+
+def untracked(tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """``tokens``, off the cyclic garbage collector's list (on CPython with the GIL; else as it is).
+
+    Only for a tuple of ints, which is in no reference cycle: reference
+    counting frees it. A tracked tuple is read whole by each collection that
+    finds it young, until one sees it holds only untracked objects; every
+    step makes each particle a new context, so behind a 4,096-token prompt
+    64 particles' contexts cost the collector about 3 ms a step
+    (BENCHMARKS.md). Contexts are untracked where they are validated.
+    """
+    if _GC_UNTRACK is not None:
+        _GC_UNTRACK(tokens)
+    return tokens
 
 
 class ContextKey:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from genlm_backend.batching import BatchingConfig, CpuThreads
-from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash
+from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash, untracked
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.llm.adapters import AdapterRegistry
 from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS, Engine, EngineStats
@@ -638,7 +638,8 @@ _INTEGER_TYPES = (int, np.integer)
 def validate_token_ids(
     token_ids: TokenIds, vocab_size: int, max_context_length: int | None = None
 ) -> tuple[int, ...]:
-    """Check one context and return it as a tuple of Python ints.
+    """Check one context and return it as a tuple of Python ints (untracked by the garbage
+    collector: :func:`~genlm_backend.cache.kv_tree.untracked`).
 
     Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor.
 
@@ -656,7 +657,7 @@ def validate_token_ids(
             f"token_ids has {len(ids)} tokens, more than the model's context of "
             f"{max_context_length}"
         )
-    return ids
+    return untracked(ids)  # plain ints: no garbage collection needs to read it
 
 
 def _general_ids(token_ids: TokenIds, vocab_size: int) -> tuple[int, ...]:
@@ -866,7 +867,7 @@ class RecentContexts:
             if parent is None or len(parent) != length - 1:
                 return None
             # Two copies and a comparison at C speed (identical elements compare by identity).
-            context = parent + (last,)
+            context = untracked(parent + (last,))
             if context != tuple(token_ids):
                 return None
         except (TypeError, ValueError):
