@@ -186,7 +186,9 @@ class TokenTrie:
     def insertion_start(self, context: Sequence[int], namespace: Hashable) -> tuple[TrieNode, int]:
         """Where inserting ``context`` walks from: the node of its last inserted prefix one token
         shorter (whose own insertion walked the way above it), else the namespace's root."""
-        root = self._roots.setdefault(namespace, TrieNode(None, namespace))
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TrieNode(None, namespace)
         hint = self._parent_hint(context, namespace)
         # A request's last lookup: its context is not kept alive past it.
         self._hints.pop(id(context), None)

@@ -451,6 +451,8 @@ class PrefixCacheDriver:
         """Compute the prefixes that several contexts share with many uncached tokens, as
         batches of their own; whether there were any."""
         min_tokens = self.level_policy.min_prefill_tokens
+        if all(lookup.num_new <= min_tokens for lookup in lookups):
+            return False  # particles' steps: no context has that many tokens to compute
         # Contexts read from a longer one's pass share its computation already.
         hosts = [lookup for lookup, _ in planner.nest(lookups)]
         rounds = planner.shared_uncached_prefixes(
