@@ -320,12 +320,17 @@ def host_report(results: list[dict], workloads: list[str]) -> None:
                 host.append(1e3 * (runner["step_s"] - runner["model_s"]))
             if ours is not None and runner is not None:
                 extra.append(1e6 * (ours["step_s"] - runner["step_s"]) / particles)
-        print(
-            f"| {workload} | {statistics.median(extra):.1f} ({min(extra):.1f}-{max(extra):.1f}) "
-            f"| {statistics.median(host):.2f} ({min(host):.2f}-{max(host):.2f}) |"
-            if extra and host
-            else f"| {workload} | - | - |"
-        )
+        print(f"| {workload} | {_median_range(extra, '.1f')} | {_median_range(host, '.2f')} |")
+
+
+def _median_range(values: list[float], spec: str) -> str:
+    """``median (min-max)`` of ``values``, ``-`` if none."""
+    if not values:
+        return "-"
+    low, mid, high = (
+        format(v, spec) for v in (min(values), statistics.median(values), max(values))
+    )
+    return f"{mid} ({low}-{high})"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from genlm_backend.cache.kv_tree import INDEX_STRIDE
 from genlm_backend.llm import engine
 from genlm_backend.llm.hf import AsyncTransformer
 from tests.hf_reference import ATOL, assert_matches_reference, random_workload, reference
@@ -331,6 +332,34 @@ async def test_lock_step_particles_extend_their_block_in_place_and_stay_exact(ti
     # Resampling (a duplicated row) falls back to copying; still exact.
     particles = [particles[0], particles[0] + [1], particles[2], particles[3]]
     particles = [p + [rng.randrange(3000)] for p in particles]
+    results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    for particle, result in zip(particles, results):
+        assert_matches_reference(llm, particle, result)
+
+
+async def test_particles_growing_in_place_past_the_trie_stride_stay_exact(tiny_llama):
+    """A particle's step in place grows its entry (the trie learns its tokens every
+    INDEX_STRIDE steps): no entry is made or evicted, every row stays the uncached
+    forward's, also after resampling, and a walk by value finds all but the newest stride."""
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    rng = random.Random(5)
+    prompt = [rng.randrange(3000) for _ in range(20)]
+    particles = [prompt + [i] for i in range(4)]
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    num_entries = llm.kv_cache.stats.num_entries
+    for step in range(2 * INDEX_STRIDE + 3):
+        particles = [p + [rng.randrange(3000)] for p in particles]
+        results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        assert llm.kv_cache.stats.num_entries == num_entries
+        if step % 5 == 0 or step >= 2 * INDEX_STRIDE:
+            for particle, result in zip(particles, results):
+                assert_matches_reference(llm, particle, result)
+    by_value = list(particles[1]) + [7]  # a new list, no parent: the trie walk alone
+    cached = llm.kv_cache.cached_length(by_value)
+    assert len(particles[1]) - INDEX_STRIDE < cached <= len(particles[1])
+    # Resampling: two copies of one particle and two others branch off its grown entry.
+    particles = [particles[0] + [1], particles[0] + [2], particles[3] + [3], by_value]
     results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
     for particle, result in zip(particles, results):
         assert_matches_reference(llm, particle, result)

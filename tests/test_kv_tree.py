@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genlm_backend.cache.kv_tree import (
+    INDEX_STRIDE,
     NUM_RECENT_CONTEXTS,
     KVBlock,
     KVEntry,
@@ -275,3 +278,71 @@ def test_a_context_looked_up_by_identity_is_not_kept_alive_past_its_insertion():
     assert len(tree._trie._hints) == 1
     cache_contexts(tree, [context])
     assert len(tree._trie._hints) == 0
+
+
+def held_tokens(entry: KVEntry, num_tokens: int) -> list[int]:
+    """The tokens whose keys ``entry`` hands out for its first ``num_tokens``, piece by piece."""
+    return [
+        int(t)
+        for piece, n in entry.pieces(num_tokens)
+        for t in slots(piece.block, 0, piece.row, piece.start, n)[0][0, :, 0]
+    ]
+
+
+def grow_one_step(tree: KVPrefixTree, block: KVBlock, contexts: list) -> list:
+    """Each context one token longer, written in place after its row's entry and committed."""
+    grown, placements = [], []
+    for row, context in enumerate(contexts):
+        longer = (*context, 50 + len(context) % 40)
+        entry, reused = tree.longest_prefix(longer, None, context)
+        assert entry is not None and reused == len(context)
+        block.stacked[..., row, 0, entry.start + entry.length, 0] = float(longer[-1])
+        placements.append(
+            Placement(longer, row, entry.start, entry.offset, entry.parent, entry, reused)
+        )
+        grown.append(longer)
+    assert tree.commit(block, placements)
+    return grown
+
+
+def test_an_entry_grown_in_place_holds_its_context_and_the_trie_learns_it_each_stride():
+    tree = KVPrefixTree(1 << 30)
+    prompt = tuple(range(100, 120))
+    cache_contexts(tree, [list(prompt)])
+    prompt_entry, _ = tree.longest_prefix(prompt)
+    contexts = [(*prompt, i) for i in range(3)]
+    block = make_block([[i] for i in range(3)], [0] * 3, num_slots=3 * INDEX_STRIDE)
+    placements = [Placement(c, row, 0, len(prompt), prompt_entry) for row, c in enumerate(contexts)]
+    assert tree.commit(block, placements)
+    first_entries = [tree.longest_prefix((*c, 1), None, c)[0] for c in contexts]
+    num_entries = len(tree)
+    for step in range(2 * INDEX_STRIDE):
+        contexts = grow_one_step(tree, block, contexts)
+        assert len(tree) == num_entries  # grown, not added
+        for context in contexts:
+            entry, reused = tree.longest_prefix((*context, 9), None, context)
+            assert entry is not None and reused == len(context)
+            assert held_tokens(entry, reused) == list(context)
+            # The walk (no parent): all but the tokens grown since the last stride.
+            walked = tree.cached_length((*context, 9))
+            assert len(context) - INDEX_STRIDE < walked <= len(context)
+            found, _ = tree.longest_prefix((*context, 9))
+            assert found is not None and held_tokens(found, walked) == list(context[:walked])
+        if step < INDEX_STRIDE - 2:  # the same entries until the first stride
+            assert [tree.longest_prefix((*c, 1), None, c)[0] for c in contexts] == first_entries
+    assert block.row_ends == [len(contexts[0]) - len(prompt)] * 3
+
+
+def test_the_latest_committed_entries_do_not_keep_an_evicted_block_alive():
+    contexts = [(1, 2, 3), (4, 5, 6)]
+    block = make_block([list(c) for c in contexts], [0, 0], num_slots=5)
+    tree = KVPrefixTree(block.nbytes)
+    assert tree.commit(block, [Placement(c, row, 0) for row, c in enumerate(contexts)])
+    assert tree.cached_length((1, 2, 3, 4), None, contexts[0]) == 3  # found by identity
+    stacked = weakref.ref(block.stacked)
+    other = make_block([[7, 8]], [0], num_slots=5 * len(contexts))  # the whole budget
+    del block
+    assert tree.reserve(other.nbytes)  # evicts the first block's entries
+    gc.collect()
+    assert stacked() is None
+    assert tree.cached_length((1, 2, 3, 4), None, contexts[0]) == 0

@@ -217,3 +217,8 @@ class Placement:
     start: int
     offset: int = 0
     parent: KVEntry | None = None
+    found: KVEntry | None = None
+    """The entry the context's lookup found, holding its first :attr:`reused` tokens: the tree
+    walks from its node, or grows it when the context is its own and a token written in place
+    just after it."""
+    reused: int = 0

@@ -30,6 +30,16 @@ which stops at the first difference), so a collision costs time, never a
 wrong answer. One request's context is looked up three times (its cost
 estimate, its batch's plan, its insertion), always as the same tuple, so the
 node found is also kept by the tuple's identity for the later lookups.
+
+A particle's step. The tree keeps the entry committed for each of the
+latest contexts by the context's identity, so a request naming its parent
+(the context one token shorter, as the front passes it) finds the parent's
+entry without a walk or a hash. A step written in place, in the slot after
+that entry in its own row, grows the entry by a token instead of making a
+new one and retiring the old; the trie learns the grown tokens every
+:data:`INDEX_STRIDE` of them (a walk by value meanwhile finds the entry at
+its older node: a shorter prefix, never a wrong one). A step of 64 particles
+then costs the tree a few dictionary operations a row.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import sysconfig
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -123,6 +134,13 @@ class ContextKey:
 NUM_RECENT_CONTEXTS = 1024
 """Inserted contexts whose nodes a :class:`TokenTrie` remembers (plus those others continue)."""
 
+INDEX_STRIDE = 16
+"""Tokens an entry grows in place (one a step) before its trie nodes are made (see
+:meth:`KVPrefixTree.commit`)."""
+
+NUM_LATEST = 1024
+"""Contexts a :class:`KVPrefixTree` keeps the committed entry of, by identity (the latest committed)."""
+
 _NUM_HINTS = 1024
 """Most contexts whose found node a :class:`TokenTrie` keeps by the context's identity
 (each is dropped at its insertion, its last lookup; the oldest go first past this)."""
@@ -131,13 +149,15 @@ _NUM_HINTS = 1024
 class TrieNode:
     """One token position of a namespace's contexts; ``entry`` is the KV entry ending here, if any."""
 
-    __slots__ = ("children", "entry", "is_attached", "parent", "token")
+    __slots__ = ("children", "depth", "entry", "is_attached", "parent", "token")
 
     def __init__(self, parent: TrieNode | None, token: Hashable):
         self.children: dict[Hashable, TrieNode] = {}
         self.entry: KVEntry | None = None
         self.parent = parent
         self.token = token
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        """Tokens of the context ending here."""
         self.is_attached = True  # False once pruned from the trie
 
     def child(self, token: Hashable) -> TrieNode:
@@ -182,6 +202,10 @@ class TokenTrie:
                 break
             node, depth = child, depth + 1
         return node, depth
+
+    def forget_hint(self, context: Sequence[int]) -> None:
+        """Drop what a lookup kept for ``context`` (its insertion is its last lookup)."""
+        self._hints.pop(id(context), None)
 
     def insertion_start(self, context: Sequence[int], namespace: Hashable) -> tuple[TrieNode, int]:
         """Where inserting ``context`` walks from: the node of its last inserted prefix one token
@@ -277,6 +301,12 @@ class KVPrefixTree:
         self._trie = TokenTrie()
         self._lru: OrderedDict[int, KVEntry] = OrderedDict()  # id(entry) -> entry
         self._blocks: dict[int, KVBlock] = {}  # id(block) -> live block
+        # id(context) -> (context, namespace, its entry): contexts committed lately, found by
+        # identity (a particle's next step names its context as its parent). A weak reference:
+        # an evicted entry's block is not kept alive here.
+        self._latest: OrderedDict[int, tuple[Sequence[int], Hashable, weakref.ref[KVEntry]]] = (
+            OrderedDict()
+        )
         self._bytes_held = 0
         self._num_evictions = 0
 
@@ -310,6 +340,11 @@ class KVPrefixTree:
         ancestors used. ``parent``: see
         :meth:`TokenTrie.deepest <genlm_backend.cache.kv_tree.TokenTrie.deepest>`.
         """
+        if parent is not None and len(parent) == len(context) - 1:
+            latest = self._latest_entry(parent, namespace)
+            if latest is not None:
+                self._touch(latest)
+                return latest, len(parent)
         node, depth = self._trie.deepest(context, namespace, parent)
         if node is None or depth == 0:
             return None, 0
@@ -330,7 +365,24 @@ class KVPrefixTree:
         estimate of a request's cost before it is batched. ``parent``: see
         :meth:`TokenTrie.deepest <genlm_backend.cache.kv_tree.TokenTrie.deepest>`.
         """
+        if (
+            parent is not None
+            and len(parent) == len(context) - 1
+            and self._latest_entry(parent, namespace) is not None
+        ):
+            return len(parent)
         return self._trie.deepest(context, namespace, parent)[1]
+
+    def _latest_entry(self, context: Sequence[int], namespace: Hashable) -> KVEntry | None:
+        """The live entry committed lately for this very ``context`` object (or grown from it
+        since: it holds ``context`` and more), else ``None``."""
+        kept = self._latest.get(id(context))
+        if kept is None or kept[0] is not context or kept[1] != namespace:
+            return None
+        entry = kept[2]()
+        if entry is None or entry.node is None or entry.offset + entry.length < len(context):
+            return None  # evicted (an entry only grows: one still live holds the context)
+        return entry
 
     @staticmethod
     def _any_entry_below(node: TrieNode) -> KVEntry:
@@ -381,7 +433,14 @@ class KVPrefixTree:
             stack.extend(dependent.dependents)
         return False
 
-    def insert(self, context: Sequence[int], entry: KVEntry, namespace: Hashable = None) -> None:
+    def insert(
+        self,
+        context: Sequence[int],
+        entry: KVEntry,
+        namespace: Hashable = None,
+        found: KVEntry | None = None,
+        reused: int = 0,
+    ) -> None:
         """Cache ``entry`` as the keys/values of ``context``.
 
         Entries of prefixes of ``context`` that no entry depends on are
@@ -392,7 +451,9 @@ class KVPrefixTree:
         cached and depended on, it stays and ``entry`` is dropped.
 
         The entry's block starts counting against the budget with its first
-        entry; call :meth:`reserve` first to make room.
+        entry; call :meth:`reserve` first to make room. ``found``: an entry
+        holding ``context[:reused]`` (the context's lookup's): the walk starts at
+        its trie node when that is at most ``reused`` deep.
 
         Raises:
             ValueError: ``entry`` does not hold ``len(context)`` tokens, or
@@ -411,11 +472,30 @@ class KVPrefixTree:
             self._lru.get(id(parent)) is not parent or parent.namespace != namespace
         ):
             raise ValueError("an entry's parent must be cached, under the same namespace")
+        # The walk starts below the node of a prefix inserted before (the lookup's entry's, or
+        # the context's last inserted one token shorter), whose insertion retired the entries
+        # above it.
+        start = found.node if found is not None and found.namespace == namespace else None
+        if isinstance(start, TrieNode) and start.depth <= reused:
+            self._trie.forget_hint(context)
+            self._insert_below(start, start.depth, context, entry, namespace)
+        else:
+            node, depth = self._trie.insertion_start(context, namespace)
+            self._insert_below(node, depth, context, entry, namespace)
+
+    def _insert_below(
+        self,
+        node: TrieNode,
+        depth: int,
+        context: Sequence[int],
+        entry: KVEntry,
+        namespace: Hashable,
+    ) -> KVEntry:
+        """:meth:`insert`'s walk and bookkeeping from ``node``, the node of ``context[:depth]``;
+        the entry that holds ``context`` afterwards (``entry``, or one cached and depended on)."""
+        parent = entry.parent
         if parent is not None:
             parent.dependents.add(entry)  # before the walk: the parent is on it and must stay
-        # The walk starts below the node of the context's last inserted prefix,
-        # whose own insertion retired the entries above it.
-        node, depth = self._trie.insertion_start(context, namespace)
         for token in context[depth:]:
             if node.entry is not None and not node.entry.dependents:
                 # The new entry covers this ancestor's context: drop the copy.
@@ -425,7 +505,7 @@ class KVPrefixTree:
             if node.entry.dependents:
                 if parent is not None:
                     parent.dependents.discard(entry)
-                return
+                return node.entry
             self._evict(node.entry, prune=False)
         block_id = id(entry.block)
         if block_id not in self._blocks:
@@ -437,6 +517,7 @@ class KVPrefixTree:
         self._lru[id(entry)] = entry
         self._touch(entry)
         self._trie.remember(context, namespace, node)
+        return entry
 
     def _evict(self, entry: KVEntry, prune: bool = True) -> None:
         for dependent in list(entry.dependents):
@@ -472,17 +553,65 @@ class KVPrefixTree:
         pinned = [p.parent for p in placements if p.parent is not None]
         if block.num_live_entries == 0 and not self.reserve(block.nbytes, pinned):
             return False
+        latest = self._latest
         for p in placements:
             if p.parent is not None and self._lru.get(id(p.parent)) is not p.parent:
                 continue  # its parent was evicted meanwhile: this row is not kept
-            length = len(p.context) - p.offset
-            block.row_ends[p.row] = p.start + length
-            entry = KVEntry(block, p.row, p.start, length, p.offset, p.parent)
-            self.insert(p.context, entry, namespace)
+            found = p.found
+            if found is not None and self._can_grow(found, block, p, namespace):
+                entry = self._grow(found, p.context, namespace)
+            else:
+                length = len(p.context) - p.offset
+                block.row_ends[p.row] = p.start + length
+                entry = KVEntry(block, p.row, p.start, length, p.offset, p.parent)
+                self.insert(p.context, entry, namespace, found, p.reused)
+                if entry.node is None:  # an entry cached and depended on holds the context
+                    continue
+            latest[id(p.context)] = (p.context, namespace, weakref.ref(entry))
+            if len(latest) > NUM_LATEST:
+                latest.popitem(last=False)
         return True
+
+    def _can_grow(self, entry: KVEntry, block: KVBlock, p: Placement, namespace: Hashable) -> bool:
+        """Whether ``p`` is ``entry``'s context and one more token, written in place: the slot
+        after ``entry``'s in its own row of ``block``, the row's last written one."""
+        return (
+            self._lru.get(id(entry)) is entry
+            and entry.block is block
+            and entry.row == p.row
+            and entry.start == p.start
+            and entry.offset == p.offset
+            and entry.parent is p.parent
+            and entry.namespace == namespace
+            and entry.offset + entry.length + 1 == len(p.context)
+            and block.row_ends[p.row] == entry.start + entry.length
+        )
+
+    def _grow(self, entry: KVEntry, context: Sequence[int], namespace: Hashable) -> KVEntry:
+        """``entry`` holding ``context``, one token more than it held (:meth:`_can_grow`): its
+        span grows in place; the entry that holds ``context`` afterwards.
+
+        An SMC step without resampling, every particle: no entry made, none evicted. The trie
+        learns the new tokens every :data:`INDEX_STRIDE` of them (until then the entry stays
+        at its node: a walk finds it there, and the particle's next step finds it by identity,
+        :meth:`longest_prefix`'s ``parent``), as a fresh entry over the same slots, which
+        retires this one as :meth:`insert` retires a prefix's.
+        """
+        entry.length += 1
+        entry.block.row_ends[entry.row] = entry.start + entry.length
+        self._touch(entry)
+        node = entry.node
+        assert isinstance(node, TrieNode), "a live entry is in the trie"
+        if len(context) - node.depth < INDEX_STRIDE:
+            return entry
+        fresh = KVEntry(
+            entry.block, entry.row, entry.start, entry.length, entry.offset, entry.parent
+        )
+        return self._insert_below(node, node.depth, context, fresh, namespace)
 
     def drop_namespace(self, namespace: Hashable) -> int:
         """Evict every entry of ``namespace`` (e.g. an adapter being unloaded); returns how many."""
+        self._latest.clear()
         root = self._trie.pop_namespace(namespace)
         if root is None:
             return 0
@@ -504,6 +633,7 @@ class KVPrefixTree:
             entry.node = None
             entry.dependents.clear()
         self._trie.clear()
+        self._latest.clear()
         self._lru.clear()
         self._blocks.clear()
         self._bytes_held = 0

@@ -96,6 +96,8 @@ class RowPlan:
     """``(output index, new-token position)``: the batch rows this row's logits give."""
     own_start: int = 0
     """Slots of the first own piece that precede ``split`` (a piece cut at a level's end)."""
+    found: KVEntry | None = None
+    """The entry the lookup found (serving ``context[:reused]``)."""
 
     @property
     def num_new(self) -> int:
@@ -138,7 +140,15 @@ class PassPlan:
     def placements(self) -> list[Placement]:
         """Where the tree finds each row's context in the pass's block (see ``KVPrefixTree.commit``)."""
         return [
-            Placement(row.context, i, self.num_past - row.num_own_past, row.split, row.parent)
+            Placement(
+                row.context,
+                i,
+                self.num_past - row.num_own_past,
+                row.split,
+                row.parent,
+                row.found,
+                row.reused,
+            )
             for i, row in enumerate(self.rows)
         ]
 
@@ -232,7 +242,7 @@ def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...]) -> RowPlan
     entry = lookup.entry
     assert entry is not None  # extendable_block checked every row
     levels = tuple(entry.parent.pieces(entry.offset)) if entry.parent is not None else ()
-    return RowPlan(lookup.context, lookup.reused, levels, (), reads)
+    return RowPlan(lookup.context, lookup.reused, levels, (), reads, found=entry)
 
 
 def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, ...]:
@@ -254,7 +264,9 @@ def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, .
             levels, own, own_start = tuple(chain[:num_levels]), tuple(chain[num_levels:]), 0
         else:
             levels, own, own_start = _block_aligned(chain, num_levels, policy.block_tokens)
-        rows.append(RowPlan(lookup.context, lookup.reused, levels, own, found, own_start))
+        rows.append(
+            RowPlan(lookup.context, lookup.reused, levels, own, found, own_start, lookup.entry)
+        )
     return tuple(rows)
 
 

@@ -242,7 +242,13 @@ class TransformersExecutor:
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.strategy = strategy
-        self.caches = StaticCaches(model_of().config)
+        config = model_of().config
+        self.caches = StaticCaches(config)
+        self.num_kv_heads, self.head_dim = kv_shape(config)
+        self.num_groups = (
+            config.get_text_config(decoder=True).num_attention_heads // self.num_kv_heads
+        )
+        self._placed: tuple[int, torch.device, torch.dtype] | None = None
         self.level_policy: LevelPolicy = strategy.level_policy(levels_unsupported is None)
         """How passes read cached pieces (settable: tests and benchmarks try other policies)."""
         self.graphs = StepGraphs(
@@ -277,25 +283,31 @@ class TransformersExecutor:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and
         the block written; the logits from ``model_logits`` (``None``: :meth:`model_logits`,
         the transformers model's forward)."""
-        model = self.model
-        device = model.device
+        device, dtype = self.placement()
         inputs = planner.pass_inputs(plan, self.max_positions)
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, inputs)
-        num_kv_heads = kv_shape(model.config)[0]
-        num_groups = model.config.get_text_config(decoder=True).num_attention_heads // num_kv_heads
         pass_ = ModelPass(
             input_ids=torch.tensor(inputs.tokens).to(device),  # [B, num_new]
             position_ids=torch.tensor(inputs.positions).to(device),
             cache=self.caches(block.layers, plan.num_past),
-            mask=own_part_mask(plan, inputs, block.num_slots, model.dtype, device),
+            mask=own_part_mask(plan, inputs, block.num_slots, dtype, device),
             attention=self.strategy.attention(
-                plan, cascade_levels(plan, inputs, device), num_groups, block.num_slots
+                plan, cascade_levels(plan, inputs, device), self.num_groups, block.num_slots
             ),
             # A one-token step reads each row's only position; a longer pass, its reads' positions.
             reads=_read_positions(plan, device) if plan.num_new > 1 else None,
         )
         logits = (model_logits or self.model_logits)(pass_)  # [len(plan.reads), V_model]
         return fit_to_vocab(logits, self.vocab_size), block
+
+    def placement(self) -> tuple[torch.device, torch.dtype]:
+        """The model's device and dtype (transformers reads them off its parameters at each
+        call: kept per model object)."""
+        model = self.model
+        placed = self._placed
+        if placed is None or placed[0] != id(model):
+            placed = self._placed = (id(model), model.device, model.dtype)
+        return placed[1], placed[2]
 
     def model_logits(self, pass_: ModelPass) -> torch.Tensor:
         """The transformers model's logits of a pass's reads, ``[R, V_model]``."""
@@ -322,7 +334,6 @@ class TransformersExecutor:
 
     def _block_with_pasts(self, plan: PassPlan, inputs: planner.PassInputs) -> KVBlock:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
-        model = self.model
         num_past, num_new = plan.num_past, plan.num_new
         # One-token steps get spare slots, so the next steps can write in place (see plan.extendable_block).
         num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
@@ -330,15 +341,14 @@ class TransformersExecutor:
         # together pass the model's longest sequence still get every slot they need.
         num_slots = max(min(num_past + num_new + num_spare, self.max_positions), num_past + num_new)
         num_layers = self.caches.num_layers
-        num_kv_heads, head_dim = kv_shape(model.config)
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        device, dtype = self.placement()
         shape = (len(plan.rows), num_kv_heads, num_slots, head_dim)
         self.kv_tree.reserve(
-            cache_nbytes(
-                num_layers, len(plan.rows), num_kv_heads, num_slots, head_dim, model.dtype
-            ),
+            cache_nbytes(num_layers, len(plan.rows), num_kv_heads, num_slots, head_dim, dtype),
             pinned=[entry for row in plan.rows for entry, _ in row.levels + row.own],
         )
-        block = KVBlock.empty(num_layers, shape, model.dtype, model.device)
+        block = KVBlock.empty(num_layers, shape, dtype, device)
         block.copy_in(inputs.copies)
         # Every slot is written above or by the forward pass itself; only the left
         # padding is zeroed (masked, but it must not hold NaN bit patterns), and the
