@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -191,8 +192,35 @@ class OutputCache:
                 # The memory of rows held is the runner's output again: those rows are stale.
                 for key in list(held[1]):
                     self._drop(key, evicted=False)
-            for row, key in enumerate(keys):
-                self._store(key, address, row, nbytes, (block, version))
+            if not self._put_new_block(keys, address, nbytes, (block, version)):
+                for row, key in enumerate(keys):
+                    self._store(key, address, row, nbytes, (block, version))
+
+    def _put_new_block(
+        self,
+        keys: Sequence[Hashable],
+        address: int,
+        nbytes: int,
+        block: tuple[torch.Tensor, int | None],
+    ) -> bool:
+        """:meth:`_store` of every key at once, for a block not held whose keys are all new
+        (a step's fresh output): room made once, the entries added together; ``False``
+        (nothing done) otherwise (lock held)."""
+        entries, maxsize = self._entries, self.maxsize
+        unique = set(keys)
+        if len(unique) != len(keys) or (maxsize is not None and len(keys) > maxsize):
+            return False
+        if address in self._blocks or not entries.keys().isdisjoint(unique):
+            return False
+        while entries and (
+            self._bytes_held + nbytes > self.budget_bytes
+            or (maxsize is not None and len(entries) + len(keys) > maxsize)
+        ):
+            self._drop(next(iter(entries)), evicted=True)
+        self._blocks[address] = [nbytes, unique, *block]
+        self._bytes_held += nbytes
+        entries.update(zip(keys, zip(itertools.repeat(address), range(len(keys)))))
+        return True
 
     def _copies(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is stored as a compact copy rather than as it is."""
