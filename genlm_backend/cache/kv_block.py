@@ -13,7 +13,7 @@ what follows it, so an entry serves every prefix of its context too
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -204,8 +204,7 @@ class KVCacheStats:
     """Bytes of entries that other entries continue (a shared prompt), held once."""
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where :meth:`KVPrefixTree.commit` finds a context's keys/values in a block.
 
     ``context[offset:]`` is ``row``'s slots from ``start``; ``context[:offset]``
