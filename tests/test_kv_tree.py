@@ -346,3 +346,14 @@ def test_the_latest_committed_entries_do_not_keep_an_evicted_block_alive():
     gc.collect()
     assert stacked() is None
     assert tree.cached_length((1, 2, 3, 4), None, contexts[0]) == 0
+
+
+def test_a_parent_found_by_identity_is_found_only_under_its_own_namespace():
+    tree = KVPrefixTree(1 << 20)
+    context = (1, 2, 3)
+    block = make_block([list(context)], [0], num_slots=5)
+    assert tree.commit(block, [Placement(context, 0, 0)], namespace="a")
+    assert tree.cached_length((*context, 4), "a", context) == 3
+    assert tree.longest_prefix((*context, 4), "b", context) == (None, 0)
+    tree.drop_namespace("a")
+    assert tree.cached_length((*context, 4), "a", context) == 0
