@@ -93,6 +93,10 @@ def _gc_untrack_function():
 _GC_UNTRACK = _gc_untrack_function()
 
 
+UNTRACKED_LENGTH = 256
+"""Tokens from which :func:`untracked` takes a context off the collector's list."""
+
+
 def untracked(tokens: tuple[int, ...]) -> tuple[int, ...]:
     """``tokens``, off the cyclic garbage collector's list (on CPython with the GIL; else as it is).
 
@@ -101,9 +105,10 @@ def untracked(tokens: tuple[int, ...]) -> tuple[int, ...]:
     finds it young, until one sees it holds only untracked objects; every
     step makes each particle a new context, so behind a 4,096-token prompt
     64 particles' contexts cost the collector about 3 ms a step
-    (BENCHMARKS.md). Contexts are untracked where they are validated.
+    (BENCHMARKS.md). Contexts are untracked where they are validated, from
+    :data:`UNTRACKED_LENGTH` tokens (a shorter one costs a collection less than the call).
     """
-    if _GC_UNTRACK is not None:
+    if _GC_UNTRACK is not None and len(tokens) >= UNTRACKED_LENGTH:
         _GC_UNTRACK(tokens)
     return tokens
 
