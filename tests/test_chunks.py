@@ -162,3 +162,22 @@ async def test_chunking_that_never_progresses_ends_in_one_pass():
     for context, row in zip(contexts, rows):
         assert_matches_reference(llm, context, row)
     llm.close()
+
+
+async def test_particles_behind_a_long_prompt_step_without_a_chunk_search():
+    """Each particle's step costs its last token: the chunk check finds that by each parent's
+    identity, with no lookup of the contexts (the runner's pass looks them up once)."""
+    llm = tiny_llm(chunk_tokens=64)
+    contexts = first_batch(prefix_tokens=170, num_particles=6)
+    await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    driver = llm.runner.driver
+    lookups = []
+    lookup = driver.lookup
+    driver.lookup = lambda *args, **kwargs: lookups.append(args[0]) or lookup(*args, **kwargs)
+    for step in range(3):
+        contexts = [[*c, step] for c in contexts]
+        rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
+    assert len(lookups) == 3  # one a step: the pass's
+    for context, row in zip(contexts, rows):
+        assert_matches_reference(llm, context, row)
+    llm.close()

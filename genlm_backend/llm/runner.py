@@ -390,6 +390,12 @@ class PrefixCacheDriver:
         """
         if sum(map(len, contexts)) <= max_tokens:
             return 0  # the whole step is no longer than a chunk, whatever the tree holds
+        # Particles' steps behind a long prompt: each costs its last token (a lookup by its
+        # parent's identity, no entry marked used); the step fits without planning it.
+        given = parents if parents is not None else itertools.repeat(None)
+        costs = (self.request_tokens(c, namespace, p) for c, p in zip(contexts, given))
+        if sum(costs) <= max_tokens:
+            return 0
         lookups = self.lookup(contexts, namespace, parents)
         hosts = [lookup for lookup, _ in planner.nest(lookups)]
         # A context several requests share (a scoring call's) counts once.
