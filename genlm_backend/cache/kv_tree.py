@@ -578,7 +578,8 @@ class KVPrefixTree:
         return True
 
     def _can_grow(self, entry: KVEntry, block: KVBlock, p: Placement, namespace: Hashable) -> bool:
-        """Whether ``p`` is ``entry``'s context and one more token, written in place: the slot
+        """Whether ``p`` is ``entry``'s context and one more token, written in place: ``entry``
+        held the whole of ``p.context[:-1]`` (its lookup's), and the slot written is the one
         after ``entry``'s in its own row of ``block``, the row's last written one."""
         return (
             self._lru.get(id(entry)) is entry
@@ -588,7 +589,7 @@ class KVPrefixTree:
             and entry.offset == p.offset
             and entry.parent is p.parent
             and entry.namespace == namespace
-            and entry.offset + entry.length + 1 == len(p.context)
+            and entry.offset + entry.length == p.reused == len(p.context) - 1
             and block.row_ends[p.row] == entry.start + entry.length
         )
 
