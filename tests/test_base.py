@@ -228,6 +228,28 @@ async def test_a_batch_sharing_rows_with_other_callers_shares_no_memory_with_the
     cached.close()
 
 
+async def test_a_batch_of_cached_rows_is_one_fresh_copy_of_them():
+    """Rows a step reads from the output cache are views of one copy made for that step: a
+    batch call whose rows all were cached gets that copy itself, and its writes reach no
+    cached row and no other caller."""
+    llm = make_llm()
+    contexts = [[1, 2], [1, 3], [4]]
+    computed = await llm.batch_next_token_logprobs(contexts)
+    outputs = record_runner_outputs(llm)
+    batch = await llm.batch_next_token_logprobs(contexts)
+    assert outputs == [] and llm.stats.num_output_cache_hits == 3
+    assert batch.untyped_storage().data_ptr() != computed.untyped_storage().data_ptr()
+    single = await llm.next_token_logprobs([1, 3])  # read in a later step: its own copy
+    assert single.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()
+    batch.fill_(0.0)
+    torch.testing.assert_close(single, reference([1, 3]), atol=TOL, rtol=0)
+    for context in contexts:
+        torch.testing.assert_close(
+            await llm.next_token_logprobs(context), reference(context), atol=TOL, rtol=0
+        )
+    llm.close()
+
+
 # ---------------------------------------------------------------- input validation
 
 BAD_INPUTS = [

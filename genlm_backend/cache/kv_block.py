@@ -94,7 +94,7 @@ class KVBlock:
                 _as_index(targets, device),
                 slice(target, target + n),
                 source.stacked,
-                _as_index(sources, device),
+                _as_source_index(sources, device),
                 slice(start, start + n),
             )
 
@@ -104,6 +104,16 @@ def _as_index(rows: list[int], device) -> slice | torch.Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return torch.tensor(rows, device=device)
+
+
+def _as_source_index(rows: list[int], device) -> slice | torch.Tensor:
+    """:func:`_as_index`, and one row read by every target row as a one-row slice, broadcast by
+    the copy (a prompt copied into each particle's row: a gather of the same row, repeated,
+    measured 12x slower)."""
+    first = rows[0]
+    if len(rows) > 1 and rows.count(first) == len(rows):
+        return slice(first, first + 1)
+    return _as_index(rows, device)
 
 
 def _copy_rows(

@@ -12,8 +12,9 @@ One request's path, each arrow a named call::
 
 Rows are *fresh*: a step hands each caller a view of one ``[B, V]`` tensor
 made for that step (the runner's output, or one copy of it when the runner
-lends its memory), held by nobody else but the output cache; a second
-caller of the same row, and every caller of a cached row, gets a copy. The
+lends its memory), held by nobody else but the output cache; the rows a
+step finds in the output cache are views of one fresh copy of them, and a
+second caller of the same row gets a copy of its own. The
 output cache drops a row whose step's tensor was written to since
 (:class:`~genlm_backend.cache.output.OutputCache` reads torch's version
 counter), so a caller's write never reaches another caller or a later
@@ -40,6 +41,7 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from genlm_backend.batching import Batcher, BatcherStats, BatchingConfig, CpuThreads, StepOutcome
@@ -193,7 +195,7 @@ class Engine:
     def compute(self, todo: list[Key], chunk_tokens: int | None = None) -> StepOutcome:
         """The values of the first of the distinct requests ``todo`` that one step holds.
 
-        Rows the output cache holds come first (copies), then a batch within
+        Rows the output cache holds come first (one fresh copy), then a batch within
         the budget is computed; with ``chunk_tokens``, a batch whose contexts
         need a longer prefill (a prompt's) gets a chunk of it computed instead
         (:meth:`~genlm_backend.llm.runner.PrefixCacheRunner.advance`), and
@@ -253,14 +255,19 @@ class Engine:
         return True
 
     def _cached(self, todo: list[Key]) -> dict:
-        """``{request: copy of its row}`` for the rows the output cache holds (lock held)."""
+        """``{request: its row}`` for the rows the output cache holds (lock held): views of one
+        fresh copy of them, like a computed step's rows (a batch call whose rows are all
+        cached, and nothing else's, gets that copy itself: one copy, not two)."""
         cache = self.output_cache
         if not len(cache):
             return {}
         rows = [r for r in todo if type(r) is Request]
-        found = {r: own_copy(row) for r, row in zip(rows, cache.get_many(rows)) if row is not None}
-        self.counts["cache_hits"] += len(found)
-        return found
+        hits = [(r, row) for r, row in zip(rows, cache.get_many(rows)) if row is not None]
+        if not hits:
+            return {}
+        self.counts["cache_hits"] += len(hits)
+        keys, values = zip(*hits)
+        return dict(zip(keys, fresh_block(values).unbind(0)))
 
     def _within_budget(self, todo: list[Key]) -> list[Key]:
         """The first requests of ``todo`` that one batch holds (lock held: costs read the runner's cache)."""
@@ -392,6 +399,18 @@ def own_copy(value: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(value.numpy().copy())
     with torch.inference_mode(False):
         return value.clone()
+
+
+def fresh_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(rows), V]``: one copy of ``rows`` (of one shape, dtype and device), held by nobody else.
+
+    On the CPU the copy runs in this thread, as :func:`own_copy`'s does.
+    """
+    first = rows[0]
+    if first.device.type == "cpu" and first.dtype == torch.float32 and not first.requires_grad:
+        return torch.from_numpy(np.stack([row.numpy() for row in rows]))
+    with torch.inference_mode(False):
+        return torch.stack(list(rows))
 
 
 def _text_tokens(request: Key) -> int:
