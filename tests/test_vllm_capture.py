@@ -111,3 +111,27 @@ def test_v2_keeps_only_the_row_that_ends_each_prompt(vllm_config):
     rows = store.take(["short", "long"])
     torch.testing.assert_close(rows[0], torch.log_softmax(first[1], -1), atol=0, rtol=0)
     torch.testing.assert_close(rows[1], torch.log_softmax(second[1], -1), atol=0, rtol=0)
+
+
+def test_a_step_taken_whole_and_in_order_is_its_block_uncopied(vllm_config):
+    """The rows one step captured, taken together in their order, are that step's block itself:
+    a plain tensor (made in the sampler's inference mode) the engine hands out uncopied."""
+    processor = CaptureLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    store = store_for(vllm_config)
+    added = [(index, params(name), [index], []) for index, name in enumerate("abc")]
+    processor.update_state(update(3, added=added))
+    logits = torch.randn(3, VOCAB)
+    with torch.inference_mode():
+        processor.apply(logits)
+    rows = store.take(["a", "b", "c"])
+    assert not rows.is_inference()
+    torch.testing.assert_close(rows, torch.log_softmax(logits, -1), atol=0, rtol=0)
+    rows[0, 0] = 0.0  # the caller's to write
+
+    block = store.put(["x", "y"], logits[:2])
+    assert store.take(["x", "y"]) is block
+    block = store.put(["x", "y"], logits[:2])
+    swapped = store.take(["y", "x"])  # another order: a new tensor, the block untouched
+    assert swapped.data_ptr() != block.data_ptr()
+    torch.testing.assert_close(swapped, block.flip(0), atol=0, rtol=0)
+    assert store.num_rows == 0

@@ -51,20 +51,34 @@ EXTENSION_CLS = "genlm_backend.llm.vllm.capture.CaptureWorkerExtension"
 
 
 class CaptureStore:
-    """Captured log-probability rows of one engine, by request id (one per worker process)."""
+    """Captured log-probability rows of one engine, by request id (one per worker process).
+
+    The rows one processor call captures are one fresh ``[n, V]`` float32
+    block, a plain tensor (not an inference-mode one: whoever takes it may
+    hand its rows out to be written); each request id maps to its row there.
+    """
 
     def __init__(self):
-        self._rows: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (block, row index)
         self._lock = threading.Lock()
 
-    def put(self, request_ids: list[str], logits: torch.Tensor) -> None:
-        """File ``log_softmax(logits[i])`` under ``request_ids[i]``; ``logits``: ``[n, V]``."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V] float32
+    def put(self, request_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+        """File ``log_softmax(logits[i])`` under ``request_ids[i]``; ``logits``: ``[n, V]``.
+        Returns the block of the rows filed."""
+        with torch.inference_mode(False):  # the sampler runs in inference mode
+            block = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=block)  # [n, V] float32
         with self._lock:
-            self._rows.update(zip(request_ids, logprobs.unbind(0)))
+            self._rows.update(
+                (request_id, (block, row)) for row, request_id in enumerate(request_ids)
+            )
+        return block
 
     def take(self, request_ids: list[str]) -> torch.Tensor:
         """Remove and return the rows of ``request_ids`` as ``[len(request_ids), V]`` float32.
+
+        When they are all the rows of one captured block, in this order (a
+        batch that ran as one step), that block itself; else a new tensor.
 
         Raises:
             CaptureError: a request has no captured row.
@@ -76,7 +90,13 @@ class CaptureStore:
                     f"no log-probabilities were captured for {len(missing)} of "
                     f"{len(request_ids)} requests (first: {missing[0]!r})"
                 )
-            return torch.stack([self._rows.pop(r) for r in request_ids])
+            found = [self._rows.pop(r) for r in request_ids]
+        block = found[0][0]
+        if len(found) == block.shape[0] and all(
+            other is block and row == index for index, (other, row) in enumerate(found)
+        ):
+            return block
+        return torch.stack([other[row] for other, row in found])
 
     def discard(self, request_ids: list[str] | None = None) -> None:
         """Drop the rows of ``request_ids`` (all rows when ``None``)."""
@@ -171,6 +191,16 @@ def _captured_request_id(params) -> str | None:
     return extra_args.get(REQUEST_ID_ARG) if extra_args else None
 
 
+def _put_rows(store: CaptureStore, logits: torch.Tensor, captured: list[tuple[int, str]]) -> None:
+    """File the rows ``captured`` names, ``(row of logits, request id)`` in increasing rows."""
+    request_ids = [request_id for _, request_id in captured]
+    if len(captured) == logits.shape[0]:  # every row, in order (increasing and distinct)
+        store.put(request_ids, logits)
+        return
+    rows = torch.tensor([row for row, _ in captured], device=logits.device)
+    store.put(request_ids, logits[rows])
+
+
 class CaptureLogitsProcessor(V1LogitsProcessor):
     """V1 model runner: files the log-softmax row of every request carrying a request id.
 
@@ -199,14 +229,13 @@ class CaptureLogitsProcessor(V1LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # logits: [num_requests, V], row i = batch index i
-        captured = [
+        captured = sorted(
             (index, request_id)
             for index, (request_id, output_ids) in self._requests.items()
             if not output_ids
-        ]
+        )
         if captured:
-            indices = torch.tensor([index for index, _ in captured], device=logits.device)
-            self._store.put([request_id for _, request_id in captured], logits[indices])
+            _put_rows(self._store, logits, captured)
         return logits
 
 
@@ -245,8 +274,7 @@ if V2LogitsProcessor is not None:
                 if slot in self._request_ids and seq_lens[row] == self._prompt_len[slot]
             ]
             if captured:
-                rows = torch.tensor([row for row, _ in captured], device=logits.device)
-                self._store.put([request_id for _, request_id in captured], logits[rows])
+                _put_rows(self._store, logits, captured)
             return logits
 
 else:  # pragma: no cover - older vLLM

@@ -78,18 +78,20 @@ class VLLMRunner:
         their whole contexts and split into several engine runs. Called from
         the event loop while a batch may run, so it is an estimate.
         """
-        if self._scheduler is not None and self.max_sessions > 0 and len(request.context) > 1:
-            parent = Request(request.adapter, request.context[:-1])
-            if parent in self._sessions:
-                return 1
+        if (
+            self._scheduler is not None
+            and self.max_sessions > 0
+            and len(request.context) > 1
+            and _parent(request) in self._sessions
+        ):
+            return 1
         return len(request.context)
 
     def run(self, requests: Sequence[Request]) -> torch.Tensor:
         self._check_adapters(requests)
         if self._scheduler is not None and self.max_sessions > 0:
             return self._run_in_sessions(requests)
-        # max_sessions was set to 0: close any open sessions.
-        self._close_sessions(self._least_recent_sessions(len(self._sessions)))
+        self.close_sessions()  # max_sessions was set to 0
         return self._run_plain(requests)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
@@ -142,7 +144,7 @@ class VLLMRunner:
             self.engine.abort_request(request_ids)
             self._rpc("genlm_discard_logprobs", request_ids)
             raise
-        return fit_to_vocab(logprobs, self.vocab_size).to(self.device)
+        return self._as_rows(logprobs)
 
     def _run_until_finished(self, request_ids: list[str]) -> dict:
         """Step the engine until every request finished; returns their final outputs by id."""
@@ -168,8 +170,7 @@ class VLLMRunner:
         num_slots = max(0, min(self.max_sessions, self._scheduler.max_num_active_reqs - 1))
         plan: list[tuple[str | None, Request, tuple[int, ...], bool]] = []
         for request in requests:
-            parent = Request(request.adapter, request.context[:-1])
-            session = self._sessions.pop(parent, None)
+            session = self._sessions.pop(_parent(request), None)
             plan.append(
                 (session, request, request.context[-1:], True)
                 if session
@@ -213,7 +214,7 @@ class VLLMRunner:
         for request_id, request, _, keep in plan:
             if keep:
                 self._sessions[request] = request_id
-        return fit_to_vocab(logprobs, self.vocab_size).to(self.device)
+        return self._as_rows(logprobs)
 
     def _run_until_done(self, request_ids: list[str]) -> None:
         """Step the engine until each request finished, or finished its turn (an open session).
@@ -248,6 +249,10 @@ class VLLMRunner:
                     )
                 self._close_sessions(idle)
                 num_idle_steps = 0
+
+    def close_sessions(self) -> None:
+        """Close every particle session (vLLM's prefix cache keeps their whole blocks)."""
+        self._close_sessions(self._least_recent_sessions(len(self._sessions)))
 
     def _least_recent_sessions(self, count: int) -> list[str]:
         oldest = list(itertools.islice(self._sessions, max(count, 0)))
@@ -301,6 +306,14 @@ class VLLMRunner:
 
     # ------------------------------------------------------------------ plumbing
 
+    def _as_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Captured ``[B, V_model]`` log-probabilities as ``[B, vocab_size]`` float32 rows on
+        :attr:`device`: as captured (already normalized, a plain tensor made for them) where the
+        model has exactly the vocabulary's columns, else fitted to it (:func:`fit_to_vocab`)."""
+        if logprobs.shape[-1] != self.vocab_size:
+            logprobs = fit_to_vocab(logprobs, self.vocab_size)
+        return logprobs.to(self.device)
+
     def _take_logprobs(self, capture_ids: list[str]) -> torch.Tensor:
         replies = [r for r in self._rpc("genlm_take_logprobs", capture_ids) if r is not None]
         if not replies:
@@ -312,7 +325,7 @@ class VLLMRunner:
 
     def clear(self) -> None:
         if self.engine is not None:
-            self._close_sessions(self._least_recent_sessions(len(self._sessions)))
+            self.close_sessions()
             self.engine.reset_prefix_cache()
 
     def close(self) -> None:
@@ -327,3 +340,13 @@ class VLLMRunner:
             del engine
             gc.collect()
             vllm_compat.cleanup_process_state()
+
+
+def _parent(request: Request) -> Request:
+    """The request one token shorter, under the same adapter (the one whose session it extends).
+
+    Built from ``request.parent``, the tuple an earlier request held, when the
+    front knows it: a session's key then compares by identity, not token by token.
+    """
+    parent = request.parent if request.parent is not None else request.context[:-1]
+    return Request(request.adapter, parent)
