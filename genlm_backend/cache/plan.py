@@ -142,18 +142,15 @@ class PassPlan:
 
     def placements(self) -> list[Placement]:
         """Where the tree finds each row's context in the pass's block (see ``KVPrefixTree.commit``)."""
-        return [
-            Placement(
-                row.context,
-                i,
-                self.num_past - row.num_own_past,
-                row.split,
-                row.parent,
-                row.found,
-                row.reused,
+        placements = []
+        num_past = self.num_past
+        for i, (context, reused, levels, _, _, _, found) in enumerate(self.rows):
+            split = sum(n for _, n in levels) if levels else 0
+            parent = levels[-1][0] if levels else None
+            placements.append(
+                Placement(context, i, num_past - reused + split, split, parent, found, reused)
             )
-            for i, row in enumerate(self.rows)
-        ]
+        return placements
 
 
 @dataclass(frozen=True)
@@ -229,7 +226,8 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
         else None
     )
     if block is not None:
-        rows = tuple(_in_place_row(lookup, found) for lookup, found in hosts)
+        levels_of: dict = {}  # rows behind one parent at one offset share their levels
+        rows = tuple(_in_place_row(lookup, found, levels_of) for lookup, found in hosts)
         first = hosts[0][0].entry
         assert first is not None  # an extendable block is some row's entry's
         if policy.block_tokens is None or all(
@@ -240,11 +238,16 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
     return PassPlan(rows, max(row.num_own_past for row in rows), num_new, None)
 
 
-def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...]) -> RowPlan:
-    """A row extending its own entry in place: the entry's ancestors are its levels."""
+def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...], levels_of: dict) -> RowPlan:
+    """A row extending its own entry in place: the entry's ancestors are its levels
+    (``levels_of``: the levels found so far, by parent and offset)."""
     entry = lookup.entry
     assert entry is not None  # extendable_block checked every row
-    levels = tuple(entry.parent.pieces(entry.offset)) if entry.parent is not None else ()
+    parent = entry.parent
+    levels: tuple[Piece, ...] = ()
+    if parent is not None:
+        key = (id(parent), entry.offset)
+        levels = levels_of.get(key) or levels_of.setdefault(key, tuple(parent.pieces(entry.offset)))
     return RowPlan(lookup.context, lookup.reused, levels, (), reads, found=entry)
 
 
@@ -356,12 +359,20 @@ class PassInputs:
 
 def pass_inputs(plan: PassPlan, max_positions: int) -> PassInputs:
     """The pass's inputs (``max_positions``: the model's longest sequence)."""
+    num_past, num_new, rows = plan.num_past, plan.num_new, plan.rows
+    if num_new == 1:  # a particles' step: each row's last token, at its own position
+        tokens = [[row.context[-1]] for row in rows]
+        last = max_positions - 1
+        at = [[reused if reused < max_positions else last] for _, reused, *_ in rows]
+    else:
+        tokens = new_tokens(plan)
+        at = [positions(row.reused, num_new, max_positions) for row in rows]
     return PassInputs(
-        tokens=new_tokens(plan),
-        positions=[positions(row.reused, plan.num_new, max_positions) for row in plan.rows],
-        row_starts=[plan.num_past - row.num_own_past for row in plan.rows],
+        tokens=tokens,
+        positions=at,
+        row_starts=[num_past - row.num_own_past for row in rows],
         copies=own_part_copies(plan) if plan.extends is None else [],
-        levels=level_readers(plan.rows),
+        levels=level_readers(rows),
     )
 
 
