@@ -363,7 +363,7 @@ def pass_inputs(plan: PassPlan, max_positions: int) -> PassInputs:
     if num_new == 1:  # a particles' step: each row's last token, at its own position
         tokens = [[row.context[-1]] for row in rows]
         last = max_positions - 1
-        at = [[reused if reused < max_positions else last] for _, reused, *_ in rows]
+        at = [[row.reused if row.reused < max_positions else last] for row in rows]
     else:
         tokens = new_tokens(plan)
         at = [positions(row.reused, num_new, max_positions) for row in rows]
