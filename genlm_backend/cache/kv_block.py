@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def _as_index(rows: list[int], device) -> slice | torch.Tensor:
     """A slice for consecutive rows (a plain strided copy), else an index tensor."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
+    return torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)  # torch.tensor: 3x slower
 
 
 def _as_source_index(rows: list[int], device) -> slice | torch.Tensor:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from genlm_backend.cache.kv_block import KVBlock, KVEntry, Piece, Placement, Segment
@@ -125,7 +126,9 @@ class GraphStep:
             [row.split for row in rows] + pads,
         ]
         fields += [[int(k in row.levels) for row in rows] + pads for k in range(len(self.levels))]
-        return torch.tensor(fields, dtype=torch.long)
+        return torch.from_numpy(
+            np.array(fields, dtype=np.int64)
+        )  # torch.tensor: 3x slower (7 x 64)
 
 
 class StepGraphs:

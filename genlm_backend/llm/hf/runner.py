@@ -287,8 +287,8 @@ class TransformersExecutor:
         inputs = planner.pass_inputs(plan, self.max_positions)
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, inputs)
         pass_ = ModelPass(
-            input_ids=torch.tensor(inputs.tokens).to(device),  # [B, num_new]
-            position_ids=torch.tensor(inputs.positions).to(device),
+            input_ids=int_tensor(inputs.tokens, device),  # [B, num_new]
+            position_ids=int_tensor(inputs.positions, device),
             cache=self.caches(block.layers, plan.num_past),
             mask=own_part_mask(plan, inputs, block.num_slots, dtype, device),
             attention=self.strategy.attention(
@@ -370,9 +370,18 @@ def _num_spare_slots(num_past: int) -> int:
 def _read_positions(plan: PassPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, positions)`` of ``plan.reads`` as index tensors on ``device``."""
     reads = plan.reads
-    rows = torch.tensor([row for _, row, _ in reads], device=device)
-    positions = torch.tensor([at for _, _, at in reads], device=device)
+    rows = int_tensor([row for _, row, _ in reads], device)
+    positions = int_tensor([at for _, _, at in reads], device)
     return rows, positions
+
+
+def int_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """``values``, ints or equal-length lists of ints, as an int64 tensor on ``device``.
+
+    Through numpy: ``torch.tensor`` reads a nested list element by element (a pass's
+    64 x 32 tokens: 626 us against 69 us; 64 x 1: 65 us against 29 us).
+    """
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 def own_part_mask(
@@ -400,7 +409,7 @@ def cascade_levels(plan: PassPlan, inputs: planner.PassInputs, device: torch.dev
             entry.row,
             entry.start,
             n,
-            None if len(rows) == len(plan.rows) else torch.tensor(rows, device=device),
+            None if len(rows) == len(plan.rows) else int_tensor(rows, device),
         )
         for (entry, n), rows in inputs.levels
     ]
