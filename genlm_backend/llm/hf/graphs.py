@@ -126,9 +126,8 @@ class GraphStep:
             [row.split for row in rows] + pads,
         ]
         fields += [[int(k in row.levels) for row in rows] + pads for k in range(len(self.levels))]
-        return torch.from_numpy(
-            np.array(fields, dtype=np.int64)
-        )  # torch.tensor: 3x slower (7 x 64)
+        # Through numpy: torch.tensor reads nested lists element by element (7 x 64: 3x slower).
+        return torch.from_numpy(np.array(fields, dtype=np.int64))
 
 
 class StepGraphs:
