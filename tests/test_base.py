@@ -228,15 +228,20 @@ async def test_a_batch_sharing_rows_with_other_callers_shares_no_memory_with_the
     cached.close()
 
 
-async def test_a_batch_of_cached_rows_is_one_fresh_copy_of_them():
+async def test_a_batch_of_cached_rows_is_one_fresh_copy_of_them(monkeypatch):
     """Rows a step reads from the output cache are views of one copy made for that step: a
-    batch call whose rows all were cached gets that copy itself, and its writes reach no
-    cached row and no other caller."""
+    batch call whose rows all were cached gets that copy itself (not stacked again), and its
+    writes reach no cached row and no other caller."""
     llm = make_llm()
     contexts = [[1, 2], [1, 3], [4]]
     computed = await llm.batch_next_token_logprobs(contexts)
     outputs = record_runner_outputs(llm)
+    stacked = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacked.append(1) or stack(*a, **k))
     batch = await llm.batch_next_token_logprobs(contexts)
+    monkeypatch.undo()
+    assert stacked == []  # the step's one copy is the batch: no second, stacked copy
     assert outputs == [] and llm.stats.num_output_cache_hits == 3
     assert batch.untyped_storage().data_ptr() != computed.untyped_storage().data_ptr()
     single = await llm.next_token_logprobs([1, 3])  # read in a later step: its own copy
