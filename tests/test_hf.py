@@ -337,6 +337,50 @@ async def test_lock_step_particles_extend_their_block_in_place_and_stay_exact(ti
         assert_matches_reference(llm, particle, result)
 
 
+async def test_in_place_steps_reuse_the_last_mask_equal_to_a_fresh_one(tiny_llama, monkeypatch):
+    """A one-token step writing in place gets the last step's mask one slot wider: equal,
+    bit for bit, to the mask made afresh for its plan; any other pass gets a fresh one."""
+    from genlm_backend.llm.hf import runner as hf_runner
+
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    made, handed = [], []
+    fresh = hf_runner.own_part_mask
+
+    def counted(plan, inputs, num_slots, dtype, device):
+        made.append(plan.num_past)
+        return fresh(plan, inputs, num_slots, dtype, device)
+
+    real_call = hf_runner.StepMask.__call__
+
+    def checked(self, plan, inputs, block, dtype, device):
+        mask = real_call(self, plan, inputs, block, dtype, device)
+        expected = fresh(plan, inputs, block.num_slots, dtype, device)
+        assert torch.equal(mask, expected), f"step behind {plan.num_past} slots"
+        handed.append(plan.num_past)
+        return mask
+
+    monkeypatch.setattr(hf_runner, "own_part_mask", counted)
+    monkeypatch.setattr(hf_runner.StepMask, "__call__", checked)
+    rng = random.Random(3)
+    # Unequal prompts: each row's own part starts at its own slot of the block.
+    particles = [[rng.randrange(3000) for _ in range(n)] for n in (5, 9, 7, 9)]
+    for _ in range(8):
+        results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        for particle, result in zip(particles, results):
+            assert_matches_reference(llm, particle, result)
+        particles = [p + [rng.randrange(3000)] for p in particles]
+    assert len(handed) == 8
+    assert len(made) < len(handed) - 3, "most steps widened the kept mask"
+    # Resampling: a new block, so a fresh mask, and the rows stay exact.
+    made.clear()
+    particles = [particles[0], particles[0] + [1], particles[2], particles[3]]
+    results = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    for particle, result in zip(particles, results):
+        assert_matches_reference(llm, particle, result)
+    assert made, "a pass into a new block made its mask afresh"
+
+
 async def test_particles_growing_in_place_past_the_trie_stride_stay_exact(tiny_llama):
     """A particle's step in place grows its entry (the trie learns its tokens every
     INDEX_STRIDE steps): no entry is made or evicted, every row stays the uncached

@@ -202,11 +202,12 @@ def decode_one_token(
     bias = bias.masked_fill_(inputs[_LEVELS:] == 0, float("-inf"))  # [levels, R]
     levels = [dataclasses.replace(level, row_bias=bias[k]) for k, level in enumerate(graph.levels)]
     layers = [(layer[0], layer[1]) for layer in storage.unbind(0)]
-    num_groups = model.config.get_text_config(decoder=True).num_attention_heads // storage.shape[3]
+    config = model.config.get_text_config(decoder=True)
+    num_groups = config.num_attention_heads // storage.shape[3]
     attention = strategy.step_attention(
         levels, graph.offsets, (inputs[_SPLITS], firsts, writes), num_groups, storage.shape[4]
     )
-    with grouped_kv_attention(model), attending(attention), strategy.products():
+    with grouped_kv_attention(config), attending(attention), strategy.products():
         output = model(
             input_ids=inputs[_TOKENS, :, None],
             attention_mask=mask,
