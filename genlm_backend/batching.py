@@ -294,6 +294,8 @@ class WaitingCalls(Generic[K]):
 
         Each value goes as it is to the first call that receives it, and as
         ``share(value)`` to every later one (``share=None``: as it is to all).
+        Values handed are told apart by identity (an ``int`` set: a key's own
+        ``__hash__`` may be Python code, called per lookup).
         """
         self.computing = []
         later = [] if self.config.rounds else list(self._calls)
@@ -313,10 +315,10 @@ class WaitingCalls(Generic[K]):
                     call.future.exception()  # retrieved: its caller may be gone
                 else:
                     if handed is not None:
-                        if key in handed:
+                        if id(value) in handed:
                             value = share(value)  # type: ignore[misc]
                         else:
-                            handed.add(key)
+                            handed.add(id(value))
                     call.values[0] = value
                     call.num_missing = 0
                     call.future.set_result(call.values)
@@ -374,7 +376,7 @@ def _fill(
     call: Call, found: dict, handed: set | None, share: Callable[[object], object] | None
 ) -> BaseException | None:
     """Put ``found``'s values for the call's missing keys into it (a value already handed to
-    another call as ``share(value)``); the first exception among them."""
+    another call, by identity in ``handed``, as ``share(value)``); the first exception among them."""
     values = call.values
     for i, key in enumerate(call.keys):
         if values[i] is None:
@@ -384,10 +386,10 @@ def _fill(
             if isinstance(value, BaseException):
                 return value
             if handed is not None:
-                if key in handed:
+                if id(value) in handed:
                     value = share(value)  # type: ignore[misc]
                 else:
-                    handed.add(key)
+                    handed.add(id(value))
             values[i] = value
             call.num_missing -= 1
     return None
