@@ -357,3 +357,54 @@ def test_a_parent_found_by_identity_is_found_only_under_its_own_namespace():
     assert tree.longest_prefix((*context, 4), "b", context) == (None, 0)
     tree.drop_namespace("a")
     assert tree.cached_length((*context, 4), "a", context) == 0
+
+
+def test_entries_just_committed_extend_in_place_until_the_tree_changes_under_them():
+    """``extend_in_place`` accepts the entries a step committed, each still over its row and
+    ending at the row's last slot with a slot left; it refuses once one is grown by another
+    commit, evicted, under another namespace, or the block is full. Accepting marks each
+    entry used, then its ancestors once (a parent after its dependents)."""
+    tree = KVPrefixTree(1 << 30)
+    prompt = tuple(range(100, 110))
+    cache_contexts(tree, [list(prompt)])
+    prompt_entry, _ = tree.longest_prefix(prompt)
+    contexts = [(*prompt, i) for i in range(3)]
+    block = make_block([[i] for i in range(3)], [0] * 3, num_slots=4)
+    placements = [Placement(c, row, 0, len(prompt), prompt_entry) for row, c in enumerate(contexts)]
+    kept: list = []
+    assert tree.commit(block, placements, kept=kept)
+    assert [e.row for e in kept] == [0, 1, 2] and all(e.block is block for e in kept)
+    other = make_block([[7]], [0], num_slots=2)  # an unrelated entry, used last
+    assert tree.commit(other, [Placement((7,), 0, 0)])
+    assert tree.extend_in_place(kept, block, 1, None)
+    order = list(tree._lru.values())
+    assert order[-1] is prompt_entry and set(order[-4:-1]) == set(kept)
+    assert not tree.extend_in_place(kept, block, 1, "another namespace")
+    assert not tree.extend_in_place(kept[::-1], block, 1, None)  # rows swapped
+    assert not tree.extend_in_place(kept[:2], block, 1, None)  # not every row of the block
+    assert not tree.extend_in_place(kept, block, 4, None)  # no slot left
+
+    # One row grown by another commit (a sibling's step): its span ends a slot later.
+    sibling = (*contexts[1], 9)
+    block.stacked[..., 1, 0, 1, 0] = 9.0
+    grown = kept[1]
+    assert tree.commit(
+        block, [Placement(sibling, 1, 0, len(prompt), prompt_entry, grown, len(contexts[1]))]
+    )
+    assert not tree.extend_in_place(kept, block, 1, None)
+
+    # The next step's entries: row 1 ends a slot past the others; evicted, none extends.
+    kept = []
+    steps = [(*c, 5) for c in (contexts[0], sibling, contexts[2])]
+    assert tree.commit(
+        block,
+        [
+            Placement(c, row, 0, len(prompt), prompt_entry, tree.longest_prefix(c)[0], len(c) - 1)
+            for row, c in enumerate(steps)
+        ],
+        kept=kept,
+    )
+    assert None not in kept and [e.start + e.length for e in kept] == [2, 3, 2]
+    assert not tree.extend_in_place(kept, block, 2, None)
+    tree.clear()
+    assert not tree.extend_in_place(kept, block, 2, None)

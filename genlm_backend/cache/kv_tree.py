@@ -547,20 +547,26 @@ class KVPrefixTree:
         block: KVBlock,
         placements: Sequence[Placement],
         namespace: Hashable = None,
+        kept: list[KVEntry | None] | None = None,
     ) -> bool:
         """Keep a computed block: each placement becomes an entry over its row's slots.
 
         A new block is first made room for (see :meth:`reserve`); if
         it does not fit, nothing is kept and ``False`` is returned. Records
         where each row's written slots end, which :func:`~genlm_backend.cache.plan.extendable_block`
-        relies on.
+        relies on. ``kept``: gets, per placement, the entry over its row's slots that now
+        holds its context (``None``: the row is not kept, or another entry holds its context).
         """
         pinned = [p.parent for p in placements if p.parent is not None]
         if block.num_live_entries == 0 and not self.reserve(block.nbytes, pinned):
+            if kept is not None:
+                kept.extend([None] * len(placements))
             return False
         latest = self._latest
         for p in placements:
             if p.parent is not None and self._lru.get(id(p.parent)) is not p.parent:
+                if kept is not None:
+                    kept.append(None)
                 continue  # its parent was evicted meanwhile: this row is not kept
             found = p.found
             if found is not None and self._can_grow(found, block, p, namespace):
@@ -571,10 +577,49 @@ class KVPrefixTree:
                 entry = KVEntry(block, p.row, p.start, length, p.offset, p.parent)
                 self.insert(p.context, entry, namespace, found, p.reused)
                 if entry.node is None:  # an entry cached and depended on holds the context
+                    if kept is not None:
+                        kept.append(None)
                     continue
+            if kept is not None:
+                kept.append(entry if entry.block is block else None)
             latest[id(p.context)] = (p.context, namespace, weakref.ref(entry))
             if len(latest) > NUM_LATEST:
                 latest.popitem(last=False)
+        return True
+
+    def extend_in_place(
+        self, entries: Sequence[KVEntry], block: KVBlock, end: int, namespace: Hashable
+    ) -> bool:
+        """Whether a one-token step may write slot ``end`` of ``block`` in place for each of
+        ``entries``, row ``i`` extending ``entries[i]``: each still cached under ``namespace``
+        (not evicted, nor retired by a longer entry), over row ``i`` of ``block``, its span
+        ending at ``end``, the row's last written slot (nothing grew it since), and a slot
+        left. Marks each entry, and then each ancestor once, used.
+
+        What :func:`~genlm_backend.cache.plan.extendable_block` checks of a batch's lookups,
+        for entries a step just committed: a particles' next step, planned without looking
+        its contexts up (see :class:`~genlm_backend.llm.runner.PrefixCacheDriver`).
+        """
+        if end >= block.num_slots or len(entries) != block.num_rows:
+            return False
+        lru, row_ends = self._lru, block.row_ends
+        for i, entry in enumerate(entries):
+            if (
+                lru.get(id(entry)) is not entry
+                or entry.block is not block
+                or entry.row != i
+                or entry.start + entry.length != end
+                or row_ends[i] != end
+                or entry.namespace != namespace
+            ):
+                return False
+        for entry in entries:
+            lru.move_to_end(id(entry))
+        ancestors = {id(e.parent): e.parent for e in entries if e.parent is not None}
+        while ancestors:  # a parent after its dependents, each once
+            for entry in ancestors.values():
+                lru.move_to_end(id(entry))
+            ancestors = {id(e.parent): e.parent for e in ancestors.values() if e.parent is not None}
         return True
 
     def _can_grow(self, entry: KVEntry, block: KVBlock, p: Placement, namespace: Hashable) -> bool:

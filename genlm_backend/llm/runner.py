@@ -23,6 +23,7 @@ an adapter; the driver is the same for all of them.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -323,6 +324,7 @@ class PrefixCacheDriver:
         self.vocab_size = vocab_size
         self.max_score_reads = max_score_reads or max(1, (256 << 20) // (4 * vocab_size))
         self.num_tokens_computed = 0
+        self._in_place: InPlaceStep | None = None
 
     @property
     def level_policy(self) -> LevelPolicy:
@@ -356,10 +358,21 @@ class PrefixCacheDriver:
         ``parents``: each context's :attr:`Request.parent <genlm_backend.llm.runner.Request.parent>`
         (the tree finds its node by the tuple's identity, without reading the context).
         """
-        lookups = self.lookup(contexts, namespace, parents)
-        if self.level_policy.enabled and self.prefill_shared(lookups, namespace):
-            lookups = self.lookup(contexts, namespace)  # the tree changed: look again
-        return self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
+        last, self._in_place = self._in_place, None
+        policy = self.level_policy
+        plan = None
+        if last is not None and parents is not None:
+            plan = last.next_plan(contexts, parents, namespace, policy, self.kv_tree)
+        if plan is None:
+            lookups = self.lookup(contexts, namespace, parents)
+            if policy.enabled and self.prefill_shared(lookups, namespace):
+                lookups = self.lookup(contexts, namespace)  # the tree changed: look again
+            plan = planner.plan_batch(lookups, policy)
+        kept: list | None = [] if InPlaceStep.may_follow(plan, policy) else None
+        out = self.execute(plan, namespace, kept)
+        if kept is not None and None not in kept:
+            self._in_place = InPlaceStep(contexts, plan.passes[0], kept, namespace, policy)
+        return out
 
     def advance(
         self,
@@ -471,9 +484,12 @@ class PrefixCacheDriver:
             self.execute(planner.plan_batch(lookups, self.level_policy), namespace)
         return bool(rounds)
 
-    def execute(self, plan: BatchPlan, namespace: Hashable) -> torch.Tensor:
+    def execute(
+        self, plan: BatchPlan, namespace: Hashable, kept: list | None = None
+    ) -> torch.Tensor:
         """Run the plan's passes: ``float32 [plan.num_outputs, V]``; their keys/values enter the
-        tree once every pass succeeded (a failed pass leaves nothing in it)."""
+        tree once every pass succeeded (a failed pass leaves nothing in it). ``kept``: gets
+        each committed row's entry (see :meth:`KVPrefixTree.commit`)."""
         out: torch.Tensor | None = None
         results = []
         for pass_plan in plan.passes:
@@ -489,7 +505,7 @@ class PrefixCacheDriver:
                 out[indices] = result.logprobs
             results.append(result)
         for result in results:
-            self.kv_tree.commit(result.block, result.placements, namespace)
+            self.kv_tree.commit(result.block, result.placements, namespace, kept)
         assert out is not None, "a batch has at least one row"
         return out
 
@@ -551,6 +567,85 @@ class PrefixCacheDriver:
         scores = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].cpu()
         for (i, _, _), (a, b) in zip(chunk, itertools.pairwise(offsets)):
             pieces[i].append(scores[a:b])
+
+
+class InPlaceStep:
+    """A particles' step just committed in place, from which the next one is planned.
+
+    Particles without resampling extend their contexts by one token a step,
+    each writing the next slot of its row of one block
+    (:func:`~genlm_backend.cache.plan.extendable_block`). When a batch names
+    the last step's contexts as its parents, in the same order, and the tree
+    still holds those entries as committed
+    (:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extend_in_place`), its
+    plan is the last one a slot further: no lookup, no planning. Equal to
+    the plan :func:`~genlm_backend.cache.plan.plan_batch` makes from the
+    lookups (a test holds them equal); anything else is looked up and planned.
+    """
+
+    def __init__(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        plan: PassPlan,
+        entries: list,
+        namespace: Hashable,
+        policy: LevelPolicy,
+    ):
+        self.contexts = contexts
+        self.plan = plan
+        self.entries = entries
+        self.namespace = namespace
+        self.policy = policy
+
+    @staticmethod
+    def may_follow(plan: BatchPlan, policy: LevelPolicy) -> bool:
+        """Whether ``plan`` is one pass in place whose rows give the batch's rows in order:
+        a plan the next step can continue (levels at any offset: ``block_tokens`` unset)."""
+        if len(plan.passes) != 1 or policy.block_tokens is not None:
+            return False
+        (pass_plan,) = plan.passes
+        return (
+            pass_plan.extends is not None
+            and pass_plan.num_new == 1
+            and plan.num_outputs == len(pass_plan.rows)
+            and all(row.reads == ((i, 0),) for i, row in enumerate(pass_plan.rows))
+        )
+
+    def next_plan(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        parents: Sequence[tuple[int, ...] | None],
+        namespace: Hashable,
+        policy: LevelPolicy,
+        kv_tree: KVPrefixTree,
+    ) -> BatchPlan | None:
+        """The plan of the batch extending each of the last step's contexts by one token,
+        in order, or ``None``: it is not that batch, or the tree changed under it."""
+        last = self.plan
+        rows = last.rows
+        if (
+            namespace != self.namespace
+            or policy is not self.policy
+            or len(contexts) != len(rows)
+            or not all(map(operator.is_, parents, self.contexts))
+            or not all(len(c) == len(p) + 1 for c, p in zip(contexts, self.contexts))
+        ):
+            return None
+        block, end = last.extends, last.num_past + 1
+        assert block is not None  # may_follow checked it
+        entries = self.entries
+        if not kv_tree.extend_in_place(entries, block, end, namespace):
+            return None
+        step = PassPlan(
+            tuple(
+                planner.RowPlan(context, end_of - 1, row[2], (), row[4], 0, entry)
+                for context, end_of, row, entry in zip(contexts, map(len, contexts), rows, entries)
+            ),
+            end,
+            1,
+            block,
+        )
+        return BatchPlan((step,), len(contexts))
 
 
 class AdapterSlots(Protocol):
