@@ -166,7 +166,8 @@ async def test_chunking_that_never_progresses_ends_in_one_pass():
 
 async def test_particles_behind_a_long_prompt_step_without_a_chunk_search():
     """Each particle's step costs its last token: the chunk check finds that by each parent's
-    identity, with no lookup of the contexts (the runner's pass looks them up once)."""
+    identity, with no lookup of the contexts (the runner's pass looks them up once, or not at
+    all when it is planned from the step before)."""
     llm = tiny_llm(chunk_tokens=64)
     contexts = first_batch(prefix_tokens=170, num_particles=6)
     await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
@@ -177,7 +178,9 @@ async def test_particles_behind_a_long_prompt_step_without_a_chunk_search():
     for step in range(3):
         contexts = [[*c, step] for c in contexts]
         rows = await asyncio.gather(*(llm.next_token_logprobs(c) for c in contexts))
-    assert len(lookups) == 3  # one a step: the pass's
+    # At most one a step, the pass's: the first step's, then none where a step is planned
+    # from the last one (the steps after the first write in place).
+    assert 1 <= len(lookups) < 3
     for context, row in zip(contexts, rows):
         assert_matches_reference(llm, context, row)
     llm.close()
