@@ -7,7 +7,9 @@ made from the last step is held equal to the one the planner makes from the look
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 
 from genlm_backend.cache import plan as planner
 from genlm_backend.cache.kv_tree import INDEX_STRIDE
@@ -21,6 +23,7 @@ class PlanSpy:
 
     def __init__(self, monkeypatch, driver):
         self.made = self.declined = 0
+        self.last_plan = None
         real = runner_module.InPlaceStep.next_plan
 
         def next_plan(step, contexts, parents, namespace, policy, kv_tree):
@@ -31,6 +34,7 @@ class PlanSpy:
             self.made += 1
             lookups = driver.lookup(contexts, namespace, parents)
             assert plan == planner.plan_batch(lookups, policy), "the planner's plan"
+            self.last_plan = plan
             return plan
 
         monkeypatch.setattr(runner_module.InPlaceStep, "next_plan", next_plan)
@@ -74,7 +78,7 @@ async def test_behind_a_shared_prompt_levels_carry_over(tiny_llama, monkeypatch)
     await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
     await steps(llm, particles, rng, 6)
     assert spy.made >= 3
-    pass_plan = llm.runner.driver._in_place.plan
+    (pass_plan,) = spy.last_plan.passes
     assert all(row.levels for row in pass_plan.rows), "the prompt is read as a level"
 
 
@@ -91,7 +95,11 @@ async def test_a_tree_changed_between_steps_is_looked_up_again(tiny_llama, monke
     made = spy.made
     assert made >= 1
 
-    llm.clear_kv_cache()  # every entry evicted
+    block = weakref.ref(spy.last_plan.passes[0].extends)
+    spy.last_plan = None
+    llm.clear_kv_cache()  # every entry evicted: the step kept for planning holds no block
+    gc.collect()
+    assert block() is None
     await steps(llm, particles, rng, 1)
     assert spy.made == made and spy.declined >= 1
 

@@ -227,7 +227,9 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
     )
     if block is not None:
         levels_of: dict = {}  # rows behind one parent at one offset share their levels
-        rows = tuple(_in_place_row(lookup, found, levels_of) for lookup, found in hosts)
+        rows = tuple(
+            in_place_row(lookup.context, lookup.entry, found, levels_of) for lookup, found in hosts
+        )
         first = hosts[0][0].entry
         assert first is not None  # an extendable block is some row's entry's
         if policy.block_tokens is None or all(
@@ -238,17 +240,21 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
     return PassPlan(rows, max(row.num_own_past for row in rows), num_new, None)
 
 
-def _in_place_row(lookup: Lookup, reads: tuple[tuple[int, int], ...], levels_of: dict) -> RowPlan:
-    """A row extending its own entry in place: the entry's ancestors are its levels
-    (``levels_of``: the levels found so far, by parent and offset)."""
-    entry = lookup.entry
+def in_place_row(
+    context: tuple[int, ...],
+    entry: KVEntry | None,
+    reads: tuple[tuple[int, int], ...],
+    levels_of: dict,
+) -> RowPlan:
+    """A row extending ``entry``, which holds ``context[:-1]``, in place: the entry's
+    ancestors are its levels (``levels_of``: the levels found so far, by parent and offset)."""
     assert entry is not None  # extendable_block checked every row
     parent = entry.parent
     levels: tuple[Piece, ...] = ()
     if parent is not None:
         key = (id(parent), entry.offset)
         levels = levels_of.get(key) or levels_of.setdefault(key, tuple(parent.pieces(entry.offset)))
-    return RowPlan(lookup.context, lookup.reused, levels, (), reads, found=entry)
+    return RowPlan(context, len(context) - 1, levels, (), reads, found=entry)
 
 
 def _copied_rows(hosts: Sequence[Host], policy: LevelPolicy) -> tuple[RowPlan, ...]:

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from genlm_backend.cache import plan as planner
-from genlm_backend.cache.kv_block import KVBlock, Placement
+from genlm_backend.cache.kv_block import KVBlock, KVEntry, Placement
 from genlm_backend.cache.kv_tree import KVPrefixTree, context_hash
 from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan
 
@@ -371,7 +372,8 @@ class PrefixCacheDriver:
         kept: list | None = [] if InPlaceStep.may_follow(plan, policy) else None
         out = self.execute(plan, namespace, kept)
         if kept is not None and None not in kept:
-            self._in_place = InPlaceStep(contexts, plan.passes[0], kept, namespace, policy)
+            end = plan.passes[0].num_past + 1
+            self._in_place = InPlaceStep(contexts, end, kept, namespace, policy)
         return out
 
     def advance(
@@ -581,19 +583,21 @@ class InPlaceStep:
     plan is the last one a slot further: no lookup, no planning. Equal to
     the plan :func:`~genlm_backend.cache.plan.plan_batch` makes from the
     lookups (a test holds them equal); anything else is looked up and planned.
+    The entries are held weakly: an evicted block's memory is not kept here.
     """
 
     def __init__(
         self,
         contexts: Sequence[tuple[int, ...]],
-        plan: PassPlan,
-        entries: list,
+        end: int,
+        entries: Sequence[KVEntry],
         namespace: Hashable,
         policy: LevelPolicy,
     ):
         self.contexts = contexts
-        self.plan = plan
-        self.entries = entries
+        self.end = end
+        """The slot each row's entry ends at: the one the next step writes."""
+        self._entries = [weakref.ref(entry) for entry in entries]
         self.namespace = namespace
         self.policy = policy
 
@@ -621,31 +625,27 @@ class InPlaceStep:
     ) -> BatchPlan | None:
         """The plan of the batch extending each of the last step's contexts by one token,
         in order, or ``None``: it is not that batch, or the tree changed under it."""
-        last = self.plan
-        rows = last.rows
         if (
             namespace != self.namespace
             or policy is not self.policy
-            or len(contexts) != len(rows)
+            or len(contexts) != len(self.contexts)
             or not all(map(operator.is_, parents, self.contexts))
             or not all(len(c) == len(p) + 1 for c, p in zip(contexts, self.contexts))
         ):
             return None
-        block, end = last.extends, last.num_past + 1
-        assert block is not None  # may_follow checked it
-        entries = self.entries
+        found = [ref() for ref in self._entries]
+        if None in found:
+            return None  # evicted, and dropped
+        entries = cast(list[KVEntry], found)
+        block, end = entries[0].block, self.end
         if not kv_tree.extend_in_place(entries, block, end, namespace):
             return None
-        step = PassPlan(
-            tuple(
-                planner.RowPlan(context, end_of - 1, row[2], (), row[4], 0, entry)
-                for context, end_of, row, entry in zip(contexts, map(len, contexts), rows, entries)
-            ),
-            end,
-            1,
-            block,
+        levels_of: dict = {}
+        rows = tuple(
+            planner.in_place_row(context, entry, ((i, 0),), levels_of)
+            for i, (context, entry) in enumerate(zip(contexts, entries))
         )
-        return BatchPlan((step,), len(contexts))
+        return BatchPlan((PassPlan(rows, end, 1, block),), len(contexts))
 
 
 class AdapterSlots(Protocol):

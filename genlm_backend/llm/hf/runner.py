@@ -416,8 +416,8 @@ class StepMask:
     """The mask of one-token steps writing in place: the last step's, one slot wider.
 
     A particles' step extends the same block row by row, each row's own part
-    starting where it did: its mask is the last step's with the slot just
-    written made visible, one small write instead of a new mask (whose
+    starting where it did: its mask is the last step's with the slot this
+    step writes made visible, one small write instead of a new mask (whose
     numpy work costs about 0.15 ms a step for 64 rows). Any other pass gets
     :func:`own_part_mask`. The kept mask holds its block weakly (an evicted
     block's memory is not held), and is handed to one pass at a time: the
