@@ -170,12 +170,69 @@ def test_a_request_is_equal_and_hashed_by_adapter_and_context_and_survives_pickl
     assert {request: 1}[copy] == 1
 
 
-def test_contexts_alike_in_length_and_last_tokens_collide_in_hash_but_stay_distinct_keys():
-    from genlm_backend.cache.kv_tree import HASHED_TAIL
+def test_contexts_alike_in_length_and_last_tokens_are_distinct_keys():
+    from genlm_backend.cache.kv_tree import HASHED_TAIL, ContextKey
     from genlm_backend.llm.runner import Request
 
     tail = tuple(range(HASHED_TAIL))
     a, b = Request(None, (1, *tail)), Request(None, (2, *tail))
-    assert hash(a) == hash(b) and a != b
+    assert hash(a) != hash(b) and a != b  # hashed whole
     table = {a: "a", b: "b"}
     assert table[Request(None, (1, *tail))] == "a" and table[Request(None, (2, *tail))] == "b"
+    keys = ContextKey(None, (1, *tail)), ContextKey(None, (2, *tail))
+    assert hash(keys[0]) == hash(keys[1]) and keys[0] != keys[1]  # hashed by their tails
+    assert {key: i for i, key in enumerate(keys)}[ContextKey(None, (2, *tail))] == 1
+
+
+class _CountedTokens(tuple):
+    """A context that counts its token-by-token comparisons."""
+
+    comparisons = 0
+
+    def __eq__(self, other):
+        _CountedTokens.comparisons += 1
+        return tuple.__eq__(self, other)
+
+    __hash__ = tuple.__hash__
+
+
+@pytest.mark.parametrize("key_kind", ["request", "context-key"])
+def test_contexts_alike_at_their_end_are_told_apart_without_comparing_their_tokens(key_kind):
+    """Particles in one repetition loop behind a long prompt: alike in length and last tokens,
+    different after the prompt. A dictionary of them compares no pair's tokens (each
+    comparison reads the prompt); equal contexts still find each other."""
+    from genlm_backend.cache.kv_tree import COMPARED_LENGTH, HASHED_TAIL, ContextKey
+    from genlm_backend.llm.runner import Request
+
+    key = (lambda c: Request(None, c)) if key_kind == "request" else (lambda c: ContextKey(None, c))
+    prompt = tuple(range(COMPARED_LENGTH + 100))
+    contexts = [_CountedTokens((*prompt, first, *[5] * HASHED_TAIL)) for first in range(32)]
+    keys = [key(context) for context in contexts]
+    # A request is hashed whole; a tree key by its tail (every pair collides), told apart by
+    # whole hashes.
+    assert len({hash(k) for k in keys}) == (32 if key_kind == "request" else 1)
+    _CountedTokens.comparisons = 0
+    table = {k: i for i, k in enumerate(keys)}
+    assert len(table) == 32 and _CountedTokens.comparisons == 0
+    equal = [key(_CountedTokens(tuple(context))) for context in contexts]  # new objects
+    assert [table[k] for k in equal] == list(range(32))
+    assert _CountedTokens.comparisons == 32  # one for each equal pair
+
+
+def test_a_requests_hash_is_its_whole_contexts_from_scratch_or_from_its_parents_digest():
+    """The front hashes a context from its parent's block digest; a request made without the
+    hash reads the whole context: the same hash, at every length around a block's end."""
+    from genlm_backend.cache.kv_tree import HASH_BLOCK, blocks_digest, context_hash
+    from genlm_backend.llm.runner import Request
+
+    tokens = tuple(random.Random(0).randrange(1000) for _ in range(3 * HASH_BLOCK + 5))
+    digest = 0
+    for length in range(1, len(tokens) + 1):
+        context, parent = tokens[:length], tokens[: length - 1]
+        digest = blocks_digest(context, digest, len(parent) - len(parent) % HASH_BLOCK)
+        assert digest == blocks_digest(context)
+        assert context_hash(context, digest) == context_hash(context)
+        assert hash(Request(None, context, hashed=context_hash(context, digest))) == hash(
+            Request(None, context)
+        )
+    assert context_hash(tokens) != context_hash((7, *tokens[1:]))  # the first token counts

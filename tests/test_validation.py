@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genlm_backend.cache import kv_tree
-from genlm_backend.cache.kv_tree import context_hash
+from genlm_backend.cache.kv_tree import context_hash, tail_hash
 from genlm_backend.llm import MockAsyncLM
 from genlm_backend.llm.base import (
     RecentContexts,
@@ -135,16 +135,51 @@ def test_a_context_extending_a_recent_one_is_checked_as_a_new_one(prefix, last, 
 
 def test_a_context_one_token_past_a_recent_one_names_it_as_its_parent():
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
-    first, none, _ = recent.validate([i % VOCAB_SIZE for i in range(300)])
+    first, none, *_ = recent.validate([i % VOCAB_SIZE for i in range(300)])
     assert none is None
-    second, parent, _ = recent.validate([i % VOCAB_SIZE for i in range(300)] + [7])
+    second, parent, *_ = recent.validate([i % VOCAB_SIZE for i in range(300)] + [7])
     assert parent is first and second == (*first, 7)
-    _, parent, _ = recent.validate(list(second) + [8])
+    _, parent, *_ = recent.validate(list(second) + [8])
     assert parent is second
-    _, parent, _ = recent.validate(list(first) + [9])  # first is still recent: a sibling
+    _, parent, *_ = recent.validate(list(first) + [9])  # first is still recent: a sibling
     assert parent is first
-    _, parent, _ = recent.validate([5, *first[1:], 7])  # same length and last tokens, another start
+    _, parent, *_ = recent.validate(
+        [5, *first[1:], 7]
+    )  # same length and last tokens, another start
     assert parent is None
+
+
+@pytest.mark.parametrize("fresh_lists", [False, True], ids=["lists-extended", "fresh-lists"])
+def test_particles_in_one_repetition_loop_each_find_their_own_parent(fresh_lists):
+    """Contexts alike in length and last tokens (a repetition loop behind a long prompt) do not
+    take each other's place: each particle's next context names its own last one."""
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    prompt = [i % VOCAB_SIZE for i in range(600)]
+    lists = [[*prompt, first] for first in range(16)]
+    last = [recent.validate(token_ids)[0] for token_ids in lists]
+    for _ in range(40):  # past the hashed tail: every particle's tail is the loop's token
+        for i, token_ids in enumerate(lists):
+            token_ids = [*token_ids, 5] if fresh_lists else token_ids
+            if not fresh_lists:
+                token_ids.append(5)
+            lists[i] = token_ids
+            context, parent, _ = recent.validate(token_ids)
+            assert parent is last[i], f"particle {i} lost its parent"
+            assert context == tuple(token_ids)
+            last[i] = context
+    assert tail_hash(last[0]) == tail_hash(last[1]) and last[0] != last[1]
+    assert recent._num_tokens <= recent.max_tokens
+
+
+def test_contexts_held_by_their_whole_hash_stay_within_the_token_budget():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None, max_tokens=5000)
+    prompt = [i % VOCAB_SIZE for i in range(400)]
+    for first in range(40):
+        recent.validate([*prompt, first, 5, 5])
+        recent.validate([*prompt, first, 5, 5, 5])
+        held = recent._by_hash.values()
+        assert recent._num_tokens == sum(len(context) for context, _ in held) <= 5000
+        assert recent._num_wholes == sum(type(key) is tuple for key in recent._by_hash)
 
 
 def test_a_recent_parent_never_lets_a_bad_context_through():
@@ -179,7 +214,7 @@ def test_a_recent_parent_never_lets_a_bad_context_through():
 def test_a_prefix_equal_in_value_only_is_taken_as_the_recent_plain_ints():
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
     recent.validate([1, 2, 3])
-    context, parent, _ = recent.validate([np.int64(1), 2, 3, 4])
+    context, parent, *_ = recent.validate([np.int64(1), 2, 3, 4])
     assert context == (1, 2, 3, 4) and all(type(t) is int for t in context)
     assert parent == (1, 2, 3)
 
@@ -189,9 +224,9 @@ def test_recent_contexts_hold_at_most_their_token_budget():
     for start in range(40):
         recent.validate([start % VOCAB_SIZE] * 10)
     assert recent._num_tokens <= 100 and len(recent._by_hash) == 10
-    _, parent, _ = recent.validate([39 % VOCAB_SIZE] * 10 + [1])  # the latest are kept
+    _, parent, *_ = recent.validate([39 % VOCAB_SIZE] * 10 + [1])  # the latest are kept
     assert parent is not None
-    _, parent, _ = recent.validate([0] * 10 + [1])  # the oldest were forgotten
+    _, parent, *_ = recent.validate([0] * 10 + [1])  # the oldest were forgotten
     assert parent is None
 
 
@@ -215,7 +250,7 @@ def test_validated_contexts_are_left_to_reference_counting():
         assert context == tuple(long) and not gc.is_tracked(context)
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
     recent.validate(long)
-    context, parent, _ = recent.validate([*long, 7])
+    context, parent, *_ = recent.validate([*long, 7])
     assert parent is not None and not gc.is_tracked(context)
     assert gc.is_tracked((object(),))  # the check above can fail: a fresh tuple is tracked
     assert len(long) >= kv_tree.UNTRACKED_LENGTH  # shorter ones are left to the collector

@@ -100,11 +100,23 @@ class KVBlock:
             )
 
 
+def int_tensor(values: list, device: torch.device | str | None = None) -> torch.Tensor:
+    """``values``, ints or equal-length lists of ints, as an int64 tensor (on ``device``:
+    ``None``, the host).
+
+    Through numpy: ``torch.tensor`` reads a nested list element by element (a pass's
+    64 x 32 tokens: 626 us against 69 us; 64 x 1: 65 us against 29 us; a captured step's
+    7 x 64 inputs: 3x).
+    """
+    host = torch.from_numpy(np.array(values, dtype=np.int64))
+    return host if device is None else host.to(device)
+
+
 def _as_index(rows: list[int], device) -> slice | torch.Tensor:
     """A slice for consecutive rows (a plain strided copy), else an index tensor."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)  # torch.tensor: 3x slower
+    return int_tensor(rows, device)
 
 
 def _as_source_index(rows: list[int], device) -> slice | torch.Tensor:

@@ -22,12 +22,14 @@ bookkeeping, so the trie remembers the nodes of the latest inserted
 contexts: a context that extends one of them by a token starts its walk
 there. A remembered context that others continue (a shared prompt) keeps its
 place among them, so a new particle's first step behind it never walks the
-prompt. Contexts are hashed by :func:`context_hash`, which reads their
+prompt. Contexts are hashed by :func:`tail_hash`, which reads their
 length and last :data:`HASHED_TAIL` tokens (Python's tuple hash reads every
-element): contexts alike in both but different earlier collide, and a
-dictionary then tells them apart by equality (a tuple comparison at C speed,
-which stops at the first difference), so a collision costs time, never a
-wrong answer. One request's context is looked up three times (its cost
+element): contexts alike in both but different earlier collide (particles
+caught in one repetition loop behind a long prompt: each pair of them), and
+a dictionary then tells them apart by :func:`same_tokens`, which compares
+whole hashes, each taken once per key, before the tokens: a collision costs
+one full hash a key, never a comparison a pair, and never a wrong answer.
+One request's context is looked up three times (its cost
 estimate, its batch's plan, its insertion), always as the same tuple, so the
 node found is also kept by the tuple's identity for the later lookups.
 
@@ -49,7 +51,7 @@ import sys
 import sysconfig
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from genlm_backend.cache.kv_block import (
     KVBlock,
@@ -67,17 +69,79 @@ __all__ = [
     "KVPrefixTree",
     "Placement",
     "TokenTrie",
+    "blocks_digest",
     "context_hash",
+    "same_tokens",
+    "tail_hash",
     "untracked",
 ]
 
 HASHED_TAIL = 32
-"""Tokens at the end of a context that :func:`context_hash` reads."""
+"""Tokens at the end of a context that :func:`tail_hash` reads."""
 
 
-def context_hash(tokens: tuple[int, ...]) -> int:
-    """A hash of ``tokens`` from its length and last :data:`HASHED_TAIL` tokens (equal tuples, equal hashes)."""
+def tail_hash(tokens: tuple[int, ...]) -> int:
+    """A hash of ``tokens`` from its length and last :data:`HASHED_TAIL` tokens (equal tuples,
+    equal hashes): a slice's worth, whatever the length, but contexts alike at their end
+    collide (see :func:`same_tokens`)."""
     return hash((len(tokens), tokens[-HASHED_TAIL:]))
+
+
+HASH_BLOCK = 64
+"""Tokens per block of a context whose hashes chain into :func:`context_hash`."""
+
+
+def blocks_digest(tokens: tuple[int, ...], digest: int = 0, start: int = 0) -> int:
+    """The chained hash of the complete :data:`HASH_BLOCK`-token blocks of ``tokens``,
+    continuing ``digest``, that of the blocks before ``start`` (a multiple of
+    :data:`HASH_BLOCK`): a context one token past one whose digest is kept costs at most
+    one block's hash."""
+    end = len(tokens) - len(tokens) % HASH_BLOCK
+    for i in range(start, end, HASH_BLOCK):
+        digest = hash((digest, tokens[i : i + HASH_BLOCK]))
+    return digest
+
+
+def context_hash(tokens: tuple[int, ...], digest: int | None = None) -> int:
+    """A hash of the whole of ``tokens`` (equal tuples, equal hashes): its length, the digest of
+    its complete blocks (``digest``, :func:`blocks_digest`'s, when the caller keeps it; else
+    read whole, as Python's hash of the tuple would) and the tokens after them.
+
+    Particles caught in one repetition loop behind a long prompt end alike; a
+    hash of their last tokens only (:func:`tail_hash`) would make a dictionary
+    of them compare every pair.
+    """
+    rest = len(tokens) % HASH_BLOCK
+    if digest is None:
+        digest = blocks_digest(tokens)
+    return hash((len(tokens), digest, tokens[len(tokens) - rest :]))
+
+
+COMPARED_LENGTH = 256
+"""Tokens up to which :func:`same_tokens` compares two contexts directly (cheaper than hashing)."""
+
+
+def same_tokens(
+    tokens: tuple[int, ...],
+    other: tuple[int, ...],
+    whole_hash: Callable[[], int],
+    other_whole_hash: Callable[[], int],
+) -> bool:
+    """Whether two contexts of equal :func:`tail_hash` hold the same tokens.
+
+    Contexts alike in length and last tokens but different earlier (particles
+    in one repetition loop behind a long prompt) differ after their shared
+    prefix: a tuple comparison reads that prefix for every pair a dictionary
+    probes, quadratic in the particles. Long contexts compare their whole
+    hashes first (``whole_hash``: Python's hash of the tuple, which the caller
+    keeps after its first call), read once per context; only equal hashes
+    (equal contexts, all but surely) are compared token by token.
+    """
+    if tokens is other:
+        return True
+    if len(tokens) > COMPARED_LENGTH and whole_hash() != other_whole_hash():
+        return False
+    return tokens == other
 
 
 def _gc_untrack_function():
@@ -114,23 +178,32 @@ def untracked(tokens: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class ContextKey:
-    """A dictionary key for ``tokens`` under ``namespace``, hashed by :func:`context_hash`."""
+    """A dictionary key for ``tokens`` under ``namespace``, hashed by :func:`tail_hash` (cheap
+    for a key made at each insertion; told apart from a colliding key by :func:`same_tokens`)."""
 
-    __slots__ = ("_hash", "namespace", "tokens")
+    __slots__ = ("_hash", "_whole_hash", "namespace", "tokens")
 
     def __init__(self, namespace: Hashable, tokens: tuple[int, ...]):
         self.namespace = namespace
         self.tokens = tokens
-        self._hash = hash((namespace, context_hash(tokens)))
+        self._hash = hash((namespace, tail_hash(tokens)))
+        self._whole_hash: int | None = None
 
     def __hash__(self) -> int:
         return self._hash
 
+    def whole_hash(self) -> int:
+        """Python's hash of the whole context (read once, on a first collision)."""
+        if self._whole_hash is None:
+            self._whole_hash = hash(self.tokens)
+        return self._whole_hash
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ContextKey):
             return NotImplemented
-        same = self.tokens is other.tokens or self.tokens == other.tokens
-        return same and self.namespace == other.namespace
+        return self.namespace == other.namespace and same_tokens(
+            self.tokens, other.tokens, self.whole_hash, other.whole_hash
+        )
 
     def __repr__(self) -> str:
         return f"ContextKey({self.namespace!r}, <{len(self.tokens)} tokens>)"

@@ -20,7 +20,14 @@ import numpy as np
 import torch
 
 from genlm_backend.batching import BatchingConfig, CpuThreads
-from genlm_backend.cache.kv_tree import HASHED_TAIL, context_hash, untracked
+from genlm_backend.cache.kv_tree import (
+    HASH_BLOCK,
+    HASHED_TAIL,
+    blocks_digest,
+    context_hash,
+    tail_hash,
+    untracked,
+)
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.llm.adapters import AdapterRegistry
 from genlm_backend.llm.engine import DEFAULT_MAX_BATCH_TOKENS, Engine, EngineStats
@@ -805,10 +812,18 @@ class RecentContexts:
     Checking a long context element by element (:func:`validate_token_ids`)
     on every step would cost each particle its whole context; finding its
     first tokens among the recent contexts (hashed by length and last tokens,
-    :func:`~genlm_backend.cache.kv_tree.context_hash`) and comparing them at C
+    :func:`~genlm_backend.cache.kv_tree.tail_hash`) and comparing them at C
     speed costs a copy and a comparison. The context returned is then the recent one plus the
     new token: its earlier tokens are that context's plain ints, also where
-    the caller's were equal to them in value only (``3.0 == 3``).
+    the caller's were equal to them in value only (``3.0 == 3``). Its whole
+    hash (:func:`~genlm_backend.cache.kv_tree.context_hash`) continues the
+    recent one's block digest: a slice's hash, not the context's.
+
+    Contexts alike in length and last tokens (particles in one repetition
+    loop) take each other's place; one whose place is taken stays held by its
+    whole hash, by which a context is looked up when its last-tokens hash
+    finds another: a whole hash a context, not a comparison with every
+    other particle.
 
     Holds at most ``max_tokens`` tokens of contexts (the least recently
     validated are forgotten first); safe to use from several threads.
@@ -826,10 +841,15 @@ class RecentContexts:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
-        # Oldest first; OrderedDict pops its oldest in O(1) (a dict's first key, after many
-        # pops, is found past their dead slots: a scan per eviction).
-        self._by_hash: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
+        # (context, its blocks_digest) by tail_hash (an int) and, for contexts whose place
+        # another of their tail_hash took, by (context_hash,) (a 1-tuple). Oldest first;
+        # OrderedDict pops its oldest in O(1) (a dict's first key, after many pops, is found
+        # past their dead slots: a scan per eviction).
+        self._by_hash: collections.OrderedDict[int | tuple[int], tuple[tuple[int, ...], int]] = (
+            collections.OrderedDict()
+        )
         self._num_tokens = 0
+        self._num_wholes = 0  # contexts held by their whole hash
         self._lock = threading.Lock()
 
     def validate(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...] | None, int]:
@@ -843,14 +863,19 @@ class RecentContexts:
         extended = self._extend_recent(token_ids)
         if extended is None:
             context = validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
-            parent = None
+            parent, digest = None, blocks_digest(context)
         else:
-            context, parent = extended
-        return context, parent, self._remember(context)
+            context, parent, parent_digest = extended
+            digest = blocks_digest(context, parent_digest, len(parent) - len(parent) % HASH_BLOCK)
+        self._remember(context, digest)
+        return context, parent, context_hash(context, digest)
 
-    def _extend_recent(self, token_ids: TokenIds) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """``(recent + (last,), recent)`` for the recent context equal to ``token_ids[:-1]``, if
-        ``token_ids`` is a plain list or tuple whose last token is valid; else ``None``."""
+    def _extend_recent(
+        self, token_ids: TokenIds
+    ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """``(recent + (last,), recent, recent's blocks_digest)`` for the recent context equal
+        to ``token_ids[:-1]``, if ``token_ids`` is a plain list or tuple whose last token is
+        valid; else ``None``."""
         if type(token_ids) is not list and type(token_ids) is not tuple:
             return None
         length = len(token_ids)
@@ -863,31 +888,60 @@ class RecentContexts:
         # cannot be hashed or compared (an array, a list) sends the context to that check.
         try:
             tail = tuple(token_ids[-HASHED_TAIL - 1 : -1])
-            parent = self._by_hash.get(hash((length - 1, tail)))
-            if parent is None or len(parent) != length - 1:
+            held = self._by_hash
+            found = held.get(hash((length - 1, tail)))
+            if found is not None and len(found[0]) != length - 1:
+                found = None
+            if found is None and not self._num_wholes:
                 return None
-            # Two copies and a comparison at C speed (identical elements compare by identity).
-            context = untracked(parent + (last,))
-            if context != tuple(token_ids):
+            whole = tuple(token_ids)
+            if found is not None:
+                # Two copies and a comparison at C speed (identical elements compare by identity).
+                context = untracked(found[0] + (last,))
+                if context == whole:
+                    return context, *found
+                if not self._num_wholes:
+                    return None
+            # Another context of its length and last tokens took its place: by its whole hash.
+            found = held.get((context_hash(whole[:-1]),))
+            if found is None or len(found[0]) != length - 1:
+                return None
+            context = untracked(found[0] + (last,))
+            if context != whole:
                 return None
         except (TypeError, ValueError):
             return None
-        return context, parent
+        return context, *found
 
-    def _remember(self, context: tuple[int, ...]) -> int:
-        """Hold ``context`` as a recent one; its hash."""
-        key = context_hash(context)
+    def _remember(self, context: tuple[int, ...], digest: int) -> None:
+        """Hold ``context`` (whose :func:`~genlm_backend.cache.kv_tree.blocks_digest` is
+        ``digest``) as a recent one."""
+        key = tail_hash(context)
         with self._lock:
-            old = self._by_hash.pop(key, None)
+            held = self._by_hash
+            old = held.pop(key, None)
             if old is not None:
-                self._num_tokens -= len(old)
-            self._by_hash[key] = context
-            self._num_tokens += len(context)
-            while self._num_tokens > self.max_tokens and len(self._by_hash) > 1:
-                self._num_tokens -= len(self._by_hash.popitem(last=False)[1])
-        return key
+                self._num_tokens -= len(old[0])
+                if old[0] != context:  # another context of its tail: findable by its whole hash
+                    self._hold((context_hash(*old),), old)
+            self._hold(key, (context, digest))
+            while self._num_tokens > self.max_tokens and len(held) > 1:
+                dropped_key, dropped = held.popitem(last=False)
+                self._num_tokens -= len(dropped[0])
+                self._num_wholes -= type(dropped_key) is tuple
+
+    def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
+        """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""
+        held = self._by_hash
+        old = held.pop(key, None)
+        if old is not None:
+            self._num_tokens -= len(old[0])
+            self._num_wholes -= type(key) is tuple
+        held[key] = kept
+        self._num_tokens += len(kept[0])
+        self._num_wholes += type(key) is tuple
 
     def clear(self) -> None:
         with self._lock:
             self._by_hash.clear()
-            self._num_tokens = 0
+            self._num_tokens = self._num_wholes = 0

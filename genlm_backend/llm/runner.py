@@ -34,7 +34,7 @@ import torch
 
 from genlm_backend.cache import plan as planner
 from genlm_backend.cache.kv_block import KVBlock, KVEntry, Placement
-from genlm_backend.cache.kv_tree import KVPrefixTree, context_hash
+from genlm_backend.cache.kv_tree import KVPrefixTree, context_hash, tail_hash
 from genlm_backend.cache.plan import BatchPlan, LevelPolicy, Lookup, PassPlan
 
 
@@ -56,10 +56,12 @@ class Adapter:
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Immutable. Hashed once, from the adapter and the context's length and last
-    tokens (:func:`~genlm_backend.cache.kv_tree.context_hash`): a request is a
+    Immutable. Hashed once, from the adapter and the whole context
+    (:func:`~genlm_backend.cache.kv_tree.context_hash`, which the front
+    computes from the context's parent's in a slice's time): a request is a
     key of the batcher and the output cache at every step, and Python's hash
-    of a long context reads all of it.
+    of a long context reads all of it. A request made without its hash
+    reads its context once, at its first hashing.
 
     ``parent``, when known, is the context one token shorter as an earlier
     request held it (the same tuple): the KV tree finds its node by it
@@ -71,7 +73,7 @@ class Request:
     adapter: Adapter | None
     context: tuple[int, ...]
     parent: tuple[int, ...] | None
-    _hash: int
+    _hash: int | None
 
     def __init__(
         self,
@@ -85,21 +87,23 @@ class Request:
         _set(self, "adapter", adapter)
         _set(self, "context", context)
         _set(self, "parent", parent)
-        _set(self, "_hash", hash((adapter, context_hash(context) if hashed is None else hashed)))
+        _set(self, "_hash", None if hashed is None else hash((adapter, hashed)))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a Request is immutable: cannot set {name!r}")
 
     def __hash__(self) -> int:
-        return self._hash
+        hashed = self._hash
+        if hashed is None:
+            hashed = hash((self.adapter, context_hash(self.context)))
+            _set(self, "_hash", hashed)
+        return hashed
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Request:
             return NotImplemented
-        return (
-            self._hash == other._hash
-            and self.adapter == other.adapter
-            and (self.context is other.context or self.context == other.context)
+        return self.adapter == other.adapter and (
+            self.context is other.context or self.context == other.context
         )
 
     def __repr__(self) -> str:
@@ -130,7 +134,7 @@ class ScoreRequest:
         object.__setattr__(
             self,
             "_hash",
-            hash((self.adapter, context_hash(self.context), context_hash(self.continuation))),
+            hash((self.adapter, tail_hash(self.context), tail_hash(self.continuation))),
         )
 
     def __hash__(self) -> int:

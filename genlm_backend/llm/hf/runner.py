@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from genlm_backend.cache import plan as planner
-from genlm_backend.cache.kv_block import KVBlock
+from genlm_backend.cache.kv_block import KVBlock, int_tensor
 from genlm_backend.cache.kv_tree import KVPrefixTree
 from genlm_backend.cache.plan import LevelPolicy, PassPlan
 from genlm_backend.llm.hf.attention import Cascade, Level, cascade_attention
@@ -384,15 +384,6 @@ def _read_positions(plan: PassPlan, device: torch.device) -> tuple[torch.Tensor,
     rows = int_tensor([row for _, row, _ in reads], device)
     positions = int_tensor([at for _, _, at in reads], device)
     return rows, positions
-
-
-def int_tensor(values: list, device: torch.device) -> torch.Tensor:
-    """``values``, ints or equal-length lists of ints, as an int64 tensor on ``device``.
-
-    Through numpy: ``torch.tensor`` reads a nested list element by element (a pass's
-    64 x 32 tokens: 626 us against 69 us; 64 x 1: 65 us against 29 us).
-    """
-    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 def own_part_mask(
