@@ -27,15 +27,17 @@ class PlanSpy:
         real = runner_module.InPlaceStep.next_plan
 
         def next_plan(step, contexts, parents, namespace, policy, kv_tree):
-            plan = real(step, contexts, parents, namespace, policy, kv_tree)
-            if plan is None:
+            followed = real(step, contexts, parents, namespace, policy, kv_tree)
+            if followed is None:
                 self.declined += 1
                 return None
             self.made += 1
+            plan, entries = followed
             lookups = driver.lookup(contexts, namespace, parents)
             assert plan == planner.plan_batch(lookups, policy), "the planner's plan"
+            assert [row.found for row in plan.passes[0].rows] == entries
             self.last_plan = plan
-            return plan
+            return followed
 
         monkeypatch.setattr(runner_module.InPlaceStep, "next_plan", next_plan)
 
@@ -124,3 +126,80 @@ async def test_a_tree_changed_between_steps_is_looked_up_again(tiny_llama, monke
     particles[1] = list(particles[0])
     await steps(llm, particles, rng, 1)
     assert spy.declined > declined
+
+
+def tree_state(tree) -> tuple:
+    """The tree as plain values: each entry in LRU order (its block by first appearance, its
+    row and span, its parent's place, its trie depth), each block's row ends, and the
+    contexts kept by identity (their length and entry's place)."""
+    blocks: dict[int, int] = {}
+    entries = list(tree._lru.values())
+    place = {id(entry): i for i, entry in enumerate(entries)}
+    state = [
+        (
+            blocks.setdefault(id(e.block), len(blocks)),
+            e.row,
+            e.start,
+            e.length,
+            e.offset,
+            place.get(id(e.parent)),
+            e.node.depth,
+            e.namespace,
+        )
+        for e in entries
+    ]
+    row_ends = sorted((blocks[id(b)], list(b.row_ends)) for b in tree._blocks.values())
+    latest = [(len(c), ns, place.get(id(ref()))) for c, ns, ref in tree._latest.values()]
+    return state, row_ends, latest
+
+
+async def test_a_step_planned_from_the_last_one_commits_as_its_placements_would(
+    tiny_llama, monkeypatch
+):
+    """The tree after each step committed by growing the last step's entries
+    (``grow_in_place``, no placements made) equals the tree of the same steps each looked
+    up, planned and committed from its placements."""
+    model, tokenizer = tiny_llama
+    planned = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    looked_up = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    grown = []
+    real_grow = type(planned.runner.kv_tree).grow_in_place
+
+    def grow_in_place(tree, entries, contexts, namespace):
+        grown.append(tree is planned.runner.kv_tree)
+        return real_grow(tree, entries, contexts, namespace)
+
+    monkeypatch.setattr(type(planned.runner.kv_tree), "grow_in_place", grow_in_place)
+    made_placements = []
+    real_placements = planner.PassPlan.placements
+
+    def placements(plan):
+        made_placements.append(plan)
+        return real_placements(plan)
+
+    monkeypatch.setattr(planner.PassPlan, "placements", placements)
+    real_next_plan = runner_module.InPlaceStep.next_plan
+
+    def next_plan(step, contexts, parents, namespace, policy, kv_tree):
+        if kv_tree is looked_up.runner.kv_tree:
+            return None  # every step of this one looked up and planned
+        return real_next_plan(step, contexts, parents, namespace, policy, kv_tree)
+
+    monkeypatch.setattr(runner_module.InPlaceStep, "next_plan", next_plan)
+    rng = random.Random(8)
+    # Contexts of 70 tokens: a block's spare slots (a quarter of its length) outlast the
+    # trie's stride, so entries grown in place get their trie nodes.
+    particles = [[rng.randrange(3000) for _ in range(70)] for _ in range(5)]
+    for llm in (planned, looked_up):
+        await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    for _ in range(2 * INDEX_STRIDE + 3):  # past the trie's stride and a block's spare slots
+        particles = [[*p, rng.randrange(3000)] for p in particles]
+        num_grown, num_placed = len(grown), len(made_placements)
+        mine = await asyncio.gather(*(planned.next_token_logprobs(p) for p in particles))
+        # A step committed by growing its entries makes no placements; any other makes them.
+        assert (len(made_placements) == num_placed) == (len(grown) > num_grown)
+        theirs = await asyncio.gather(*(looked_up.next_token_logprobs(p) for p in particles))
+        assert tree_state(planned.runner.kv_tree) == tree_state(looked_up.runner.kv_tree)
+        for row, other in zip(mine, theirs):
+            assert (row - other).abs().max() <= 1e-5
+    assert all(grown) and len(grown) >= 2 * INDEX_STRIDE - 8, "most steps grew their entries"

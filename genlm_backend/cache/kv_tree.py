@@ -87,8 +87,9 @@ def tail_hash(tokens: tuple[int, ...]) -> int:
     return hash((len(tokens), tokens[-HASHED_TAIL:]))
 
 
-HASH_BLOCK = 64
-"""Tokens per block of a context whose hashes chain into :func:`context_hash`."""
+HASH_BLOCK = HASHED_TAIL
+"""Tokens per block of a context whose hashes chain into :func:`context_hash` (the tail's
+length: the tail and the complete blocks together cover the whole context)."""
 
 
 def blocks_digest(tokens: tuple[int, ...], digest: int = 0, start: int = 0) -> int:
@@ -103,18 +104,18 @@ def blocks_digest(tokens: tuple[int, ...], digest: int = 0, start: int = 0) -> i
 
 
 def context_hash(tokens: tuple[int, ...], digest: int | None = None) -> int:
-    """A hash of the whole of ``tokens`` (equal tuples, equal hashes): its length, the digest of
-    its complete blocks (``digest``, :func:`blocks_digest`'s, when the caller keeps it; else
-    read whole, as Python's hash of the tuple would) and the tokens after them.
+    """A hash of the whole of ``tokens`` (equal tuples, equal hashes): its :func:`tail_hash`
+    and the digest of its complete blocks (``digest``, :func:`blocks_digest`'s, when the
+    caller keeps it; else read whole, as Python's hash of the tuple would), which the tail
+    overlaps.
 
     Particles caught in one repetition loop behind a long prompt end alike; a
     hash of their last tokens only (:func:`tail_hash`) would make a dictionary
     of them compare every pair.
     """
-    rest = len(tokens) % HASH_BLOCK
     if digest is None:
         digest = blocks_digest(tokens)
-    return hash((len(tokens), digest, tokens[len(tokens) - rest :]))
+    return hash((tail_hash(tokens), digest))
 
 
 COMPARED_LENGTH = 256
@@ -694,6 +695,33 @@ class KVPrefixTree:
                 lru.move_to_end(id(entry))
             ancestors = {id(e.parent): e.parent for e in ancestors.values() if e.parent is not None}
         return True
+
+    def grow_in_place(
+        self, entries: Sequence[KVEntry], contexts: Sequence[Sequence[int]], namespace: Hashable
+    ) -> list[KVEntry | None]:
+        """Commit a one-token step written in place for ``entries``, as
+        :meth:`extend_in_place` allowed it just before (nothing changed the tree since):
+        entry ``i`` grows by the slot written, now holding ``contexts[i]``, as :meth:`commit`
+        grows an entry, without its checks, and without marking it used again (the check
+        did). The entry holding each context afterwards, as :meth:`commit`'s ``kept``."""
+        latest = self._latest
+        kept: list[KVEntry | None] = []
+        for entry, context in zip(entries, contexts):
+            block = entry.block
+            entry.length += 1
+            block.row_ends[entry.row] = entry.start + entry.length
+            node = entry.node
+            assert isinstance(node, TrieNode), "a live entry is in the trie"
+            if len(context) - node.depth >= INDEX_STRIDE:
+                fresh = KVEntry(
+                    block, entry.row, entry.start, entry.length, entry.offset, entry.parent
+                )
+                entry = self._insert_below(node, node.depth, context, fresh, namespace)
+            kept.append(entry if entry.block is block else None)
+            latest[id(context)] = (context, namespace, weakref.ref(entry))
+        while len(latest) > NUM_LATEST:
+            latest.popitem(last=False)
+        return kept
 
     def _can_grow(self, entry: KVEntry, block: KVBlock, p: Placement, namespace: Hashable) -> bool:
         """Whether ``p`` is ``entry``'s context and one more token, written in place: ``entry``

@@ -865,10 +865,11 @@ class RecentContexts:
             context = validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
             parent, digest = None, blocks_digest(context)
         else:
-            context, parent, parent_digest = extended
-            digest = blocks_digest(context, parent_digest, len(parent) - len(parent) % HASH_BLOCK)
-        self._remember(context, digest)
-        return context, parent, context_hash(context, digest)
+            context, parent, digest = extended
+            if not len(context) % HASH_BLOCK:  # a block completed: the digest takes it in
+                digest = hash((digest, context[-HASH_BLOCK:]))
+        # context_hash(context, digest), its tail's hash taken once for both
+        return context, parent, hash((self._remember(context, digest), digest))
 
     def _extend_recent(
         self, token_ids: TokenIds
@@ -899,7 +900,7 @@ class RecentContexts:
                 # Two copies and a comparison at C speed (identical elements compare by identity).
                 context = untracked(found[0] + (last,))
                 if context == whole:
-                    return context, *found
+                    return context, found[0], found[1]
                 if not self._num_wholes:
                     return None
             # Another context of its length and last tokens took its place: by its whole hash.
@@ -911,11 +912,11 @@ class RecentContexts:
                 return None
         except (TypeError, ValueError):
             return None
-        return context, *found
+        return context, found[0], found[1]
 
-    def _remember(self, context: tuple[int, ...], digest: int) -> None:
+    def _remember(self, context: tuple[int, ...], digest: int) -> int:
         """Hold ``context`` (whose :func:`~genlm_backend.cache.kv_tree.blocks_digest` is
-        ``digest``) as a recent one."""
+        ``digest``) as a recent one; its :func:`~genlm_backend.cache.kv_tree.tail_hash`."""
         key = tail_hash(context)
         with self._lock:
             held = self._by_hash
@@ -924,11 +925,13 @@ class RecentContexts:
                 self._num_tokens -= len(old[0])
                 if old[0] != context:  # another context of its tail: findable by its whole hash
                     self._hold((context_hash(*old),), old)
-            self._hold(key, (context, digest))
+            held[key] = (context, digest)
+            self._num_tokens += len(context)
             while self._num_tokens > self.max_tokens and len(held) > 1:
                 dropped_key, dropped = held.popitem(last=False)
                 self._num_tokens -= len(dropped[0])
                 self._num_wholes -= type(dropped_key) is tuple
+        return key
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
         """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""

@@ -22,6 +22,7 @@ an adapter; the driver is the same for all of them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -277,7 +278,7 @@ class ExecutorSupport:
     """Rows with the bits of their context computed alone (``deterministic=True``)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class PassResult:
     """What one executed pass gives: its rows and the keys/values it wrote."""
 
@@ -285,8 +286,13 @@ class PassResult:
     """``float32 [len(plan.reads), V]``, normalized, in the order of ``plan.reads``."""
     block: KVBlock
     """The block holding the pass's keys/values."""
-    placements: list[Placement]
-    """Where the tree finds each row's context in ``block``."""
+    placements_of: Callable[[], list[Placement]]
+    """Makes :attr:`placements` (a step planned from the last one is committed without them)."""
+
+    @functools.cached_property
+    def placements(self) -> list[Placement]:
+        """Where the tree finds each row's context in ``block``."""
+        return self.placements_of()
 
 
 class PassExecutor(Protocol):
@@ -365,16 +371,19 @@ class PrefixCacheDriver:
         """
         last, self._in_place = self._in_place, None
         policy = self.level_policy
-        plan = None
+        followed = None
         if last is not None and parents is not None:
-            plan = last.next_plan(contexts, parents, namespace, policy, self.kv_tree)
-        if plan is None:
+            followed = last.next_plan(contexts, parents, namespace, policy, self.kv_tree)
+        if followed is not None:
+            plan, entries = followed
+            out, kept = self._execute_in_place(plan, entries, contexts, namespace)
+        else:
             lookups = self.lookup(contexts, namespace, parents)
             if policy.enabled and self.prefill_shared(lookups, namespace):
                 lookups = self.lookup(contexts, namespace)  # the tree changed: look again
             plan = planner.plan_batch(lookups, policy)
-        kept: list | None = [] if InPlaceStep.may_follow(plan, policy) else None
-        out = self.execute(plan, namespace, kept)
+            kept = [] if InPlaceStep.may_follow(plan, policy) else None
+            out = self.execute(plan, namespace, kept)
         if kept is not None and None not in kept:
             end = plan.passes[0].num_past + 1
             self._in_place = InPlaceStep(contexts, end, kept, namespace, policy)
@@ -515,6 +524,28 @@ class PrefixCacheDriver:
         assert out is not None, "a batch has at least one row"
         return out
 
+    def _execute_in_place(
+        self,
+        plan: BatchPlan,
+        entries: list[KVEntry],
+        contexts: Sequence[tuple[int, ...]],
+        namespace: Hashable,
+    ) -> tuple[torch.Tensor, list[KVEntry | None]]:
+        """Run a step planned from the last one (:meth:`InPlaceStep.next_plan`): its rows, and
+        each row's entry once committed. Committed by growing ``entries`` a slot
+        (:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.grow_in_place`, which
+        :meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extend_in_place` checked before the
+        pass), without its placements, unless the executor wrote another block (a captured
+        step's): then as any pass."""
+        (pass_plan,) = plan.passes
+        result = self.executor.run_pass(pass_plan, namespace)
+        self.num_tokens_computed += len(pass_plan.rows)
+        if result.block is not pass_plan.extends:
+            kept: list[KVEntry | None] = []
+            self.kv_tree.commit(result.block, result.placements, namespace, kept)
+            return result.logprobs, kept
+        return result.logprobs, self.kv_tree.grow_in_place(entries, contexts, namespace)
+
     def score(
         self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], namespace: Hashable = None
     ) -> list[torch.Tensor]:
@@ -626,9 +657,10 @@ class InPlaceStep:
         namespace: Hashable,
         policy: LevelPolicy,
         kv_tree: KVPrefixTree,
-    ) -> BatchPlan | None:
+    ) -> tuple[BatchPlan, list[KVEntry]] | None:
         """The plan of the batch extending each of the last step's contexts by one token,
-        in order, or ``None``: it is not that batch, or the tree changed under it."""
+        in order, and the entries its rows grow, or ``None``: it is not that batch, or the
+        tree changed under it."""
         if (
             namespace != self.namespace
             or policy is not self.policy
@@ -649,7 +681,7 @@ class InPlaceStep:
             planner.in_place_row(context, entry, ((i, 0),), levels_of)
             for i, (context, entry) in enumerate(zip(contexts, entries))
         )
-        return BatchPlan((PassPlan(rows, end, 1, block),), len(contexts))
+        return BatchPlan((PassPlan(rows, end, 1, block),), len(contexts)), entries
 
 
 class AdapterSlots(Protocol):

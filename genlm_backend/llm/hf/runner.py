@@ -275,8 +275,8 @@ class TransformersExecutor:
         ran = self.graphs.run(step) if step is not None else None
         if step is None or ran is None:
             logprobs, block = self.forward(plan)
-            return PassResult(logprobs, block, plan.placements())
-        return PassResult(*ran, step.placements())
+            return PassResult(logprobs, block, plan.placements)
+        return PassResult(*ran, step.placements)
 
     @torch.inference_mode()
     def forward(
@@ -519,7 +519,7 @@ class FusedExecutor:
         if namespace is not None:  # an adapter's pass: the transformers model under peft
             return self.plain.run_pass(plan, namespace)
         logprobs, block = self.plain.forward(plan, self.model_logits)
-        return PassResult(logprobs, block, plan.placements())
+        return PassResult(logprobs, block, plan.placements)
 
     def model_logits(self, pass_: ModelPass) -> torch.Tensor:
         """The fused decoder's logits of the pass's reads, ``[R, V_model]``."""

@@ -95,7 +95,7 @@ class MlxExecutor:
             self._check_shared_reads(forward)
         selected = mx.concatenate(picked)[mx.array(np.argsort(order))]
         logits = selected if self._split is None else self._split[1](selected)
-        return PassResult(_to_logprobs(logits, self.vocab_size), block, plan.placements())
+        return PassResult(_to_logprobs(logits, self.vocab_size), block, plan.placements)
 
     def _call(self, inputs: mx.array, forward: ForwardPass) -> mx.array:
         if self._split is None:
