@@ -372,6 +372,7 @@ class PrefixCacheDriver:
         last, self._in_place = self._in_place, None
         policy = self.level_policy
         followed = None
+        kept: list[KVEntry | None] | None
         if last is not None and parents is not None:
             followed = last.next_plan(contexts, parents, namespace, policy, self.kv_tree)
         if followed is not None:
@@ -386,7 +387,8 @@ class PrefixCacheDriver:
             out = self.execute(plan, namespace, kept)
         if kept is not None and None not in kept:
             end = plan.passes[0].num_past + 1
-            self._in_place = InPlaceStep(contexts, end, kept, namespace, policy)
+            entries = cast(list[KVEntry], kept)  # none is None
+            self._in_place = InPlaceStep(contexts, end, entries, namespace, policy)
         return out
 
     def advance(
