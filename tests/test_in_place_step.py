@@ -203,3 +203,29 @@ async def test_a_step_planned_from_the_last_one_commits_as_its_placements_would(
         for row, other in zip(mine, theirs):
             assert (row - other).abs().max() <= 1e-5
     assert all(grown) and len(grown) >= 2 * INDEX_STRIDE - 8, "most steps grew their entries"
+
+
+async def test_the_last_steps_particles_need_no_chunk_search(tiny_llama, monkeypatch):
+    """A batch continuing the last in-place step, whose parents the tree holds, costs a token a
+    context: ``advance`` chunks nothing and looks nothing up. Once the tree dropped them, the
+    contexts' costs are looked up again (and their prefills chunked)."""
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    rng = random.Random(10)
+    particles = [[rng.randrange(3000) for _ in range(40)] for _ in range(4)]
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    await steps(llm, particles, rng, 2)
+    driver, tree = llm.runner.driver, llm.runner.kv_tree
+    assert driver._in_place is not None
+    parents = list(driver._in_place.contexts)
+    contexts = [(*p, 5) for p in parents]
+    looked_up = []
+    real = type(tree).cached_length
+    monkeypatch.setattr(
+        type(tree), "cached_length", lambda t, *a: looked_up.append(a) or real(t, *a)
+    )
+    assert driver.advance(contexts, None, 8, parents) == 0
+    assert not looked_up
+    llm.clear_kv_cache()  # the parents' entries gone: each context's prefill is due again
+    assert driver.advance(contexts, None, 8, parents) == 8
+    assert looked_up

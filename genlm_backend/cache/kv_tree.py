@@ -696,6 +696,10 @@ class KVPrefixTree:
             ancestors = {id(e.parent): e.parent for e in ancestors.values() if e.parent is not None}
         return True
 
+    def is_cached(self, entry: KVEntry | None) -> bool:
+        """Whether ``entry`` is in the tree (not evicted, nor retired by a longer entry)."""
+        return entry is not None and self._lru.get(id(entry)) is entry
+
     def grow_in_place(
         self, entries: Sequence[KVEntry], contexts: Sequence[Sequence[int]], namespace: Hashable
     ) -> list[KVEntry | None]:

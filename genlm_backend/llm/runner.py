@@ -420,6 +420,15 @@ class PrefixCacheDriver:
         """
         if sum(map(len, contexts)) <= max_tokens:
             return 0  # the whole step is no longer than a chunk, whatever the tree holds
+        last = self._in_place
+        if (
+            len(contexts) <= max_tokens
+            and parents is not None
+            and last is not None
+            and last.continues(contexts, parents, namespace)
+            and last.is_cached(self.kv_tree)
+        ):
+            return 0  # the last step's particles, whose parents the tree holds: a token each
         # Particles' steps behind a long prompt: each costs its last token (a lookup by its
         # parent's identity, no entry marked used); the step fits without planning it.
         given = parents if parents is not None else itertools.repeat(None)
@@ -652,6 +661,25 @@ class InPlaceStep:
             and all(row.reads == ((i, 0),) for i, row in enumerate(pass_plan.rows))
         )
 
+    def continues(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        parents: Sequence[tuple[int, ...] | None],
+        namespace: Hashable,
+    ) -> bool:
+        """Whether the batch names the last step's contexts as its parents, in order, under
+        its namespace, each context one token longer (what the tree holds is not checked)."""
+        return (
+            namespace == self.namespace
+            and len(contexts) == len(self.contexts)
+            and all(map(operator.is_, parents, self.contexts))
+            and all(len(c) == len(p) + 1 for c, p in zip(contexts, self.contexts))
+        )
+
+    def is_cached(self, kv_tree: KVPrefixTree) -> bool:
+        """Whether the tree still holds every entry of the step (each holds its context)."""
+        return all(kv_tree.is_cached(ref()) for ref in self._entries)
+
     def next_plan(
         self,
         contexts: Sequence[tuple[int, ...]],
@@ -663,13 +691,7 @@ class InPlaceStep:
         """The plan of the batch extending each of the last step's contexts by one token,
         in order, and the entries its rows grow, or ``None``: it is not that batch, or the
         tree changed under it."""
-        if (
-            namespace != self.namespace
-            or policy is not self.policy
-            or len(contexts) != len(self.contexts)
-            or not all(map(operator.is_, parents, self.contexts))
-            or not all(len(c) == len(p) + 1 for c, p in zip(contexts, self.contexts))
-        ):
+        if policy is not self.policy or not self.continues(contexts, parents, namespace):
             return None
         found = [ref() for ref in self._entries]
         if None in found:
