@@ -87,9 +87,8 @@ def tail_hash(tokens: tuple[int, ...]) -> int:
     return hash((len(tokens), tokens[-HASHED_TAIL:]))
 
 
-HASH_BLOCK = HASHED_TAIL
-"""Tokens per block of a context whose hashes chain into :func:`context_hash` (the tail's
-length: the tail and the complete blocks together cover the whole context)."""
+HASH_BLOCK = 128
+"""Tokens per block of a context whose hashes chain into :func:`context_hash`."""
 
 
 def blocks_digest(tokens: tuple[int, ...], digest: int = 0, start: int = 0) -> int:
@@ -104,18 +103,18 @@ def blocks_digest(tokens: tuple[int, ...], digest: int = 0, start: int = 0) -> i
 
 
 def context_hash(tokens: tuple[int, ...], digest: int | None = None) -> int:
-    """A hash of the whole of ``tokens`` (equal tuples, equal hashes): its :func:`tail_hash`
-    and the digest of its complete blocks (``digest``, :func:`blocks_digest`'s, when the
-    caller keeps it; else read whole, as Python's hash of the tuple would), which the tail
-    overlaps.
+    """A hash of the whole of ``tokens`` (equal tuples, equal hashes): its length, the digest
+    of its complete blocks (``digest``, :func:`blocks_digest`'s, when the caller keeps it;
+    else read whole, about as fast as Python's hash of the tuple) and the tokens after them.
 
     Particles caught in one repetition loop behind a long prompt end alike; a
     hash of their last tokens only (:func:`tail_hash`) would make a dictionary
     of them compare every pair.
     """
+    rest = len(tokens) % HASH_BLOCK
     if digest is None:
         digest = blocks_digest(tokens)
-    return hash((tail_hash(tokens), digest))
+    return hash((len(tokens), digest, tokens[len(tokens) - rest :]))
 
 
 COMPARED_LENGTH = 256

@@ -842,9 +842,9 @@ class RecentContexts:
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
         # (context, its blocks_digest) by tail_hash (an int) and, for contexts whose place
-        # another of their tail_hash took, by (context_hash,) (a 1-tuple). Oldest first;
-        # OrderedDict pops its oldest in O(1) (a dict's first key, after many pops, is found
-        # past their dead slots: a scan per eviction).
+        # another of their tail_hash took, by (hash(context),) (a 1-tuple; Python's hash of a
+        # whole tuple: C speed). Oldest first; OrderedDict pops its oldest in O(1) (a dict's
+        # first key, after many pops, is found past their dead slots: a scan per eviction).
         self._by_hash: collections.OrderedDict[int | tuple[int], tuple[tuple[int, ...], int]] = (
             collections.OrderedDict()
         )
@@ -868,8 +868,8 @@ class RecentContexts:
             context, parent, digest = extended
             if not len(context) % HASH_BLOCK:  # a block completed: the digest takes it in
                 digest = hash((digest, context[-HASH_BLOCK:]))
-        # context_hash(context, digest), its tail's hash taken once for both
-        return context, parent, hash((self._remember(context, digest), digest))
+        self._remember(context, digest)
+        return context, parent, context_hash(context, digest)
 
     def _extend_recent(
         self, token_ids: TokenIds
@@ -904,7 +904,7 @@ class RecentContexts:
                 if not self._num_wholes:
                     return None
             # Another context of its length and last tokens took its place: by its whole hash.
-            found = held.get((context_hash(whole[:-1]),))
+            found = held.get((hash(whole[:-1]),))
             if found is None or len(found[0]) != length - 1:
                 return None
             context = untracked(found[0] + (last,))
@@ -914,9 +914,9 @@ class RecentContexts:
             return None
         return context, found[0], found[1]
 
-    def _remember(self, context: tuple[int, ...], digest: int) -> int:
+    def _remember(self, context: tuple[int, ...], digest: int) -> None:
         """Hold ``context`` (whose :func:`~genlm_backend.cache.kv_tree.blocks_digest` is
-        ``digest``) as a recent one; its :func:`~genlm_backend.cache.kv_tree.tail_hash`."""
+        ``digest``) as a recent one."""
         key = tail_hash(context)
         with self._lock:
             held = self._by_hash
@@ -924,14 +924,13 @@ class RecentContexts:
             if old is not None:
                 self._num_tokens -= len(old[0])
                 if old[0] != context:  # another context of its tail: findable by its whole hash
-                    self._hold((context_hash(*old),), old)
+                    self._hold((hash(old[0]),), old)
             held[key] = (context, digest)
             self._num_tokens += len(context)
             while self._num_tokens > self.max_tokens and len(held) > 1:
                 dropped_key, dropped = held.popitem(last=False)
                 self._num_tokens -= len(dropped[0])
                 self._num_wholes -= type(dropped_key) is tuple
-        return key
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
         """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""
