@@ -149,7 +149,10 @@ def tree_state(tree) -> tuple:
         for e in entries
     ]
     row_ends = sorted((blocks[id(b)], list(b.row_ends)) for b in tree._blocks.values())
-    latest = [(len(c), ns, place.get(id(ref()))) for c, ns, ref in tree._latest.values()]
+    latest = [
+        (len(e.context), ns, place.get(id(e))) if (e := ref()) is not None else None
+        for ns, ref in tree._latest.values()
+    ]
     return state, row_ends, latest
 
 

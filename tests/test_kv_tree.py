@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import weakref
 
 import pytest
@@ -408,3 +409,28 @@ def test_entries_just_committed_extend_in_place_until_the_tree_changes_under_the
     assert not tree.extend_in_place(kept, block, 2, None)
     tree.clear()
     assert not tree.extend_in_place(kept, block, 2, None)
+
+
+def test_the_tree_keeps_no_context_its_entries_have_moved_past():
+    """Contexts are found by identity through the entry each was last committed for, which
+    holds that one context: a particle's older contexts are freed once their owner drops
+    them (only the trie's remembered ones, each INDEX_STRIDE tokens, stay longer)."""
+    tree = KVPrefixTree(1 << 30)
+    prompt = tuple(range(100, 120))
+    cache_contexts(tree, [list(prompt)])
+    prompt_entry, _ = tree.longest_prefix(prompt)
+    contexts = [(*prompt, i) for i in range(3)]
+    block = make_block([[i] for i in range(3)], [0] * 3, num_slots=3 * INDEX_STRIDE)
+    placements = [Placement(c, row, 0, len(prompt), prompt_entry) for row, c in enumerate(contexts)]
+    assert tree.commit(block, placements)
+    del placements
+    history = []
+    for _ in range(INDEX_STRIDE - 2):  # short of a stride: no context remembered by the trie
+        contexts = grow_one_step(tree, block, contexts)
+        history.append(contexts)
+        assert tree.cached_length((*contexts[0], 1), None, contexts[0]) == len(contexts[0])
+    gc.collect()
+    # References beyond history's, the loop variable's and getrefcount's argument: the tree's.
+    held = [[sys.getrefcount(c) - 3 for c in step] for step in history]
+    assert held[-1] == [1, 1, 1]  # the last step's: its entries' contexts
+    assert all(counts == [0, 0, 0] for counts in held[:-1]), held

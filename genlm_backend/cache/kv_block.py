@@ -164,6 +164,9 @@ class KVEntry:
     """The namespace the tree caches it under (set on insertion)."""
     dependents: set[KVEntry] = field(default_factory=set, repr=False)
     """Live entries whose ``parent`` this is."""
+    context: object = field(default=None, repr=False)
+    """The context tuple the tree last committed it for (its identity finds the entry: see
+    :meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.longest_prefix`'s ``parent``)."""
 
     @property
     def context_length(self) -> int:

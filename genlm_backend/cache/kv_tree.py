@@ -111,10 +111,10 @@ def context_hash(tokens: tuple[int, ...], digest: int | None = None) -> int:
     hash of their last tokens only (:func:`tail_hash`) would make a dictionary
     of them compare every pair.
     """
-    rest = len(tokens) % HASH_BLOCK
+    length = len(tokens)
     if digest is None:
         digest = blocks_digest(tokens)
-    return hash((len(tokens), digest, tokens[len(tokens) - rest :]))
+    return hash((length, digest, tokens[length - length % HASH_BLOCK :]))
 
 
 COMPARED_LENGTH = 256
@@ -379,12 +379,12 @@ class KVPrefixTree:
         self._trie = TokenTrie()
         self._lru: OrderedDict[int, KVEntry] = OrderedDict()  # id(entry) -> entry
         self._blocks: dict[int, KVBlock] = {}  # id(block) -> live block
-        # id(context) -> (context, namespace, its entry): contexts committed lately, found by
-        # identity (a particle's next step names its context as its parent). A weak reference:
-        # an evicted entry's block is not kept alive here.
-        self._latest: OrderedDict[int, tuple[Sequence[int], Hashable, weakref.ref[KVEntry]]] = (
-            OrderedDict()
-        )
+        # id(context) -> (namespace, its entry): contexts committed lately, found by identity
+        # (a particle's next step names its context as its parent). The entry holds the
+        # context it was last committed for (KVEntry.context), which the identity is checked
+        # against: the tree keeps one context per live entry alive, not one per key here. A
+        # weak reference: an evicted entry's block is not kept alive here.
+        self._latest: OrderedDict[int, tuple[Hashable, weakref.ref[KVEntry]]] = OrderedDict()
         self._bytes_held = 0
         self._num_evictions = 0
 
@@ -452,14 +452,13 @@ class KVPrefixTree:
         return self._trie.deepest(context, namespace, parent)[1]
 
     def _latest_entry(self, context: Sequence[int], namespace: Hashable) -> KVEntry | None:
-        """The live entry committed lately for this very ``context`` object (or grown from it
-        since: it holds ``context`` and more), else ``None``."""
+        """The live entry last committed for this very ``context`` object, else ``None``."""
         kept = self._latest.get(id(context))
-        if kept is None or kept[0] is not context or kept[1] != namespace:
+        if kept is None or kept[0] != namespace:
             return None
-        entry = kept[2]()
-        if entry is None or entry.node is None or entry.offset + entry.length < len(context):
-            return None  # evicted (an entry only grows: one still live holds the context)
+        entry = kept[1]()
+        if entry is None or entry.node is None or entry.context is not context:
+            return None  # evicted, or committed for another context since
         return entry
 
     @staticmethod
@@ -655,7 +654,8 @@ class KVPrefixTree:
                     continue
             if kept is not None:
                 kept.append(entry if entry.block is block else None)
-            latest[id(p.context)] = (p.context, namespace, weakref.ref(entry))
+            entry.context = p.context
+            latest[id(p.context)] = (namespace, weakref.ref(entry))
             if len(latest) > NUM_LATEST:
                 latest.popitem(last=False)
         return True
@@ -721,7 +721,8 @@ class KVPrefixTree:
                 )
                 entry = self._insert_below(node, node.depth, context, fresh, namespace)
             kept.append(entry if entry.block is block else None)
-            latest[id(context)] = (context, namespace, weakref.ref(entry))
+            entry.context = context
+            latest[id(context)] = (namespace, weakref.ref(entry))
         while len(latest) > NUM_LATEST:
             latest.popitem(last=False)
         return kept
