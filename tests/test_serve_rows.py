@@ -77,3 +77,19 @@ async def test_held_rows_are_every_row_or_none_and_count_only_when_all_are_held(
     assert after.num_batches == before.num_batches
     with pytest.raises(ValueError, match="unknown"):
         held_rows(llm, [(1,)], "nobody")
+
+
+async def test_a_step_not_held_is_told_by_one_lookup(llm, monkeypatch):
+    """A particles' step (rows to compute) is known not held from its last context: one
+    context hashed, not each (a request made by the server reads its whole context)."""
+    from genlm_backend.llm import runner as runner_module
+
+    await llm.batch_next_token_logprobs([[1], [2, 3]])
+    hashed = []
+    real = runner_module.context_hash
+    monkeypatch.setattr(
+        runner_module, "context_hash", lambda tokens, *a: hashed.append(tokens) or real(tokens, *a)
+    )
+    assert held_rows(llm, [(1,), (2, 3), (4,), (5, 6)], None) is None
+    assert hashed == [(5, 6)]
+    assert held_rows(llm, [(1,), (2, 3)], None) is not None  # held: every row looked up

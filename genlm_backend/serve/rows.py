@@ -26,8 +26,14 @@ def held_rows(
         BackendClosedError: the model was closed.
     """
     lm.engine.check_open()
-    keys = [Request(lm.adapters.resolve(lora_name), context) for context in contexts]
-    rows = lm.output_cache.get_many(keys, count_misses=False)  # batch_rows looks again
+    adapter = lm.adapters.resolve(lora_name)
+    cache = lm.output_cache
+    # A particles' step is computed, not held: its last context, looked up first, says so
+    # (a request made here hashes its whole context).
+    if contexts and Request(adapter, contexts[-1]) not in cache:
+        return None
+    keys = [Request(adapter, context) for context in contexts]
+    rows = cache.get_many(keys, count_misses=False)  # batch_rows looks again
     if any(row is None for row in rows):
         return None
     lm.engine.count_requests(keys)
