@@ -93,3 +93,22 @@ async def test_a_step_not_held_is_told_by_one_lookup(llm, monkeypatch):
     assert held_rows(llm, [(1,), (2, 3), (4,), (5, 6)], None) is None
     assert hashed == [(5, 6)]
     assert held_rows(llm, [(1,), (2, 3)], None) is not None  # held: every row looked up
+
+
+async def test_a_particles_step_is_hashed_from_its_parents_not_read_whole(llm, monkeypatch):
+    """Contexts one token past recent ones are validated and hashed from their parents' digests:
+    no request of the batch reads its whole context to hash it."""
+    from genlm_backend.llm import runner as runner_module
+
+    await llm.batch_next_token_logprobs([[1, 2], [3, 4]])
+    read_whole = []
+    real = runner_module.context_hash
+    monkeypatch.setattr(
+        runner_module,
+        "context_hash",
+        lambda tokens, *a: read_whole.append(tokens) or real(tokens, *a),
+    )
+    rows = await batch_rows(llm, [(1, 2, 5), (3, 4, 6)], None)
+    assert read_whole == []
+    for row, context in zip(rows, [(1, 2, 5), (3, 4, 6)]):
+        torch.testing.assert_close(row, reference(context), atol=TOL, rtol=0)

@@ -1,10 +1,13 @@
-"""The rows a server asks its model for: held rows looked up before validation, the rest computed.
+"""The rows a server asks its model for: held rows answered at once, the rest computed.
 
-A server decodes each context of a request into a tuple of plain ints. A
-tuple equal to a key of the model's output cache is then that key's context,
-which was validated before it was computed: such a context costs a lookup,
-not a second check of ids its client checked. Only the others are validated,
-then computed by the model's engine with whatever else waits.
+A server decodes each context of a request into a tuple of plain ints. When
+the model's output cache holds every context's row (a tuple equal to a key
+is that key's context, validated before it was computed), the request is
+answered at once, before the step gather; a step to compute is told apart
+by its last context alone. Otherwise every context is validated (a context
+that extends a recent one by a token is checked at that token, and hashed
+from its parent's digest), the held rows taken, the others computed by the
+model's engine with whatever else waits.
 """
 
 from __future__ import annotations
@@ -44,28 +47,22 @@ def held_rows(
 async def batch_rows(
     lm: AsyncLM, contexts: list[tuple[int, ...]], lora_name: str | None
 ) -> list[torch.Tensor]:
-    """Each context's row, ``[V]``, to be read and never changed: held rows as they are, the
-    others validated (every one before any is computed) and computed together.
+    """Each context's row, ``[V]``, to be read and never changed: every context validated
+    (the front's recent contexts check one that extends a recent one at its last token, and
+    hash it from its parent's digest), the held rows as they are, the others computed
+    together.
 
     Raises:
-        TypeError, ValueError: a context not held is invalid (the message names its
-            position in ``contexts``), or an unknown ``lora_name``.
+        TypeError, ValueError: an invalid context (the message names its position in
+            ``contexts``), or an unknown ``lora_name``.
         BackendClosedError: the model was closed.
     """
-    lm.engine.check_open()
-    adapter = lm.adapters.resolve(lora_name)
-    rows: list[torch.Tensor | None] = lm.output_cache.get_many(
-        [Request(adapter, context) for context in contexts],
-        count_misses=False,  # the step looks each miss up again and counts it there
-    )
+    requests = lm.requests(contexts, lora_name, "token_ids_list")
+    # The step looks each miss up again and counts it there.
+    rows: list[torch.Tensor | None] = lm.output_cache.get_many(requests, count_misses=False)
     missing = [i for i, row in enumerate(rows) if row is None]
-    requests = lm.requests(
-        [contexts[i] for i in missing], lora_name, "token_ids_list", positions=missing
-    )
-    held = [Request(adapter, context) for context, row in zip(contexts, rows) if row is not None]
-    lm.engine.count_requests(held)
-    lm.engine.counts["cache_hits"] += len(held)
-    if requests:
-        for i, row in zip(missing, await lm.engine.results(requests)):
+    lm.engine.counts["cache_hits"] += len(rows) - len(missing)
+    if missing:
+        for i, row in zip(missing, await lm.engine.results([requests[i] for i in missing])):
             rows[i] = row
     return rows  # type: ignore[return-value]  # no None left
