@@ -306,7 +306,9 @@ def grow_one_step(tree: KVPrefixTree, block: KVBlock, contexts: list) -> list:
     return grown
 
 
-def test_an_entry_grown_in_place_holds_its_context_and_the_trie_learns_it_each_stride():
+def three_particles_behind_a_prompt() -> tuple[KVPrefixTree, tuple, list, KVBlock]:
+    """A tree holding a 20-token prompt and three one-token particles behind it, in a block
+    with room to grow in place: ``(tree, prompt, contexts, block)``."""
     tree = KVPrefixTree(1 << 30)
     prompt = tuple(range(100, 120))
     cache_contexts(tree, [list(prompt)])
@@ -315,6 +317,11 @@ def test_an_entry_grown_in_place_holds_its_context_and_the_trie_learns_it_each_s
     block = make_block([[i] for i in range(3)], [0] * 3, num_slots=3 * INDEX_STRIDE)
     placements = [Placement(c, row, 0, len(prompt), prompt_entry) for row, c in enumerate(contexts)]
     assert tree.commit(block, placements)
+    return tree, prompt, contexts, block
+
+
+def test_an_entry_grown_in_place_holds_its_context_and_the_trie_learns_it_each_stride():
+    tree, prompt, contexts, block = three_particles_behind_a_prompt()
     first_entries = [tree.longest_prefix((*c, 1), None, c)[0] for c in contexts]
     num_entries = len(tree)
     for step in range(2 * INDEX_STRIDE):
@@ -415,15 +422,7 @@ def test_the_tree_keeps_no_context_its_entries_have_moved_past():
     """Contexts are found by identity through the entry each was last committed for, which
     holds that one context: a particle's older contexts are freed once their owner drops
     them (only the trie's remembered ones, each INDEX_STRIDE tokens, stay longer)."""
-    tree = KVPrefixTree(1 << 30)
-    prompt = tuple(range(100, 120))
-    cache_contexts(tree, [list(prompt)])
-    prompt_entry, _ = tree.longest_prefix(prompt)
-    contexts = [(*prompt, i) for i in range(3)]
-    block = make_block([[i] for i in range(3)], [0] * 3, num_slots=3 * INDEX_STRIDE)
-    placements = [Placement(c, row, 0, len(prompt), prompt_entry) for row, c in enumerate(contexts)]
-    assert tree.commit(block, placements)
-    del placements
+    tree, _, contexts, block = three_particles_behind_a_prompt()
     history = []
     for _ in range(INDEX_STRIDE - 2):  # short of a stride: no context remembered by the trie
         contexts = grow_one_step(tree, block, contexts)

@@ -634,7 +634,6 @@ class KVPrefixTree:
             if kept is not None:
                 kept.extend([None] * len(placements))
             return False
-        latest = self._latest
         for p in placements:
             if p.parent is not None and self._lru.get(id(p.parent)) is not p.parent:
                 if kept is not None:
@@ -654,10 +653,7 @@ class KVPrefixTree:
                     continue
             if kept is not None:
                 kept.append(entry if entry.block is block else None)
-            entry.context = p.context
-            latest[id(p.context)] = (namespace, weakref.ref(entry))
-            if len(latest) > NUM_LATEST:
-                latest.popitem(last=False)
+            self._keep_latest(p.context, namespace, entry)
         return True
 
     def extend_in_place(
@@ -707,25 +703,21 @@ class KVPrefixTree:
         entry ``i`` grows by the slot written, now holding ``contexts[i]``, as :meth:`commit`
         grows an entry, without its checks, and without marking it used again (the check
         did). The entry holding each context afterwards, as :meth:`commit`'s ``kept``."""
-        latest = self._latest
         kept: list[KVEntry | None] = []
         for entry, context in zip(entries, contexts):
             block = entry.block
-            entry.length += 1
-            block.row_ends[entry.row] = entry.start + entry.length
-            node = entry.node
-            assert isinstance(node, TrieNode), "a live entry is in the trie"
-            if len(context) - node.depth >= INDEX_STRIDE:
-                fresh = KVEntry(
-                    block, entry.row, entry.start, entry.length, entry.offset, entry.parent
-                )
-                entry = self._insert_below(node, node.depth, context, fresh, namespace)
+            entry = self._grow(entry, context, namespace, touch=False)
             kept.append(entry if entry.block is block else None)
-            entry.context = context
-            latest[id(context)] = (namespace, weakref.ref(entry))
-        while len(latest) > NUM_LATEST:
-            latest.popitem(last=False)
+            self._keep_latest(context, namespace, entry)
         return kept
+
+    def _keep_latest(self, context: Sequence[int], namespace: Hashable, entry: KVEntry) -> None:
+        """``entry`` was just committed for ``context``: found by the context's identity."""
+        entry.context = context
+        latest = self._latest
+        latest[id(context)] = (namespace, weakref.ref(entry))
+        if len(latest) > NUM_LATEST:
+            latest.popitem(last=False)
 
     def _can_grow(self, entry: KVEntry, block: KVBlock, p: Placement, namespace: Hashable) -> bool:
         """Whether ``p`` is ``entry``'s context and one more token, written in place: ``entry``
@@ -743,9 +735,12 @@ class KVPrefixTree:
             and block.row_ends[p.row] == entry.start + entry.length
         )
 
-    def _grow(self, entry: KVEntry, context: Sequence[int], namespace: Hashable) -> KVEntry:
+    def _grow(
+        self, entry: KVEntry, context: Sequence[int], namespace: Hashable, touch: bool = True
+    ) -> KVEntry:
         """``entry`` holding ``context``, one token more than it held (:meth:`_can_grow`): its
-        span grows in place; the entry that holds ``context`` afterwards.
+        span grows in place, marked used with ``touch``; the entry that holds ``context``
+        afterwards.
 
         An SMC step without resampling, every particle: no entry made, none evicted. The trie
         learns the new tokens every :data:`INDEX_STRIDE` of them (until then the entry stays
@@ -755,7 +750,8 @@ class KVPrefixTree:
         """
         entry.length += 1
         entry.block.row_ends[entry.row] = entry.start + entry.length
-        self._touch(entry)
+        if touch:
+            self._touch(entry)
         node = entry.node
         assert isinstance(node, TrieNode), "a live entry is in the trie"
         if len(context) - node.depth < INDEX_STRIDE:
