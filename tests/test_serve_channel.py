@@ -23,7 +23,7 @@ from genlm_backend.errors import RequestTooLargeError, ServerUnavailableError
 from genlm_backend.llm.remote import RemoteLM, protocol
 from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, MAX_HELLO_BYTES, frame
 from genlm_backend.llm.remote.protocol import ServeLimits
-from genlm_backend.llm.remote.slab import Slab, rows_view
+from genlm_backend.llm.remote.slab import Slab
 from genlm_backend.serve import channel as channel_module
 from genlm_backend.serve.app import ServeApp
 from tests.serve_gated_server import BYTE_VOCAB
@@ -162,7 +162,7 @@ def test_bad_frames_fail_for_their_request_and_the_channel_keeps_serving(session
         # A frame that answers: its rows in the session's slab, from the row asked.
         answer = exchange(sock, request([[4, 5], [4, 6]], session.id, slab_row=2))
         assert answer[:1] == b"S" and msgpack.unpackb(answer[1:]) == {"num_rows": 2}
-        rows = torch.from_numpy(rows_view(session.slab._shm.buf, len(BYTE_VOCAB), 2, 2).copy())
+        rows = session.slab.read(2, first_row=2)
         assert torch.equal(rows, reference.batch_next_token_logprobs_sync([[4, 5], [4, 6]]))
         # Rows that do not fit the slab come in the frame.
         answer = exchange(sock, request([[4, 7]], session.id, slab_row=4))

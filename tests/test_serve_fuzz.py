@@ -17,6 +17,7 @@ under fuzzing").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 from genlm_backend import MockAsyncLM
 from genlm_backend.llm.remote import RemoteLM, protocol
 from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, LENGTH_BYTES, frame
-from genlm_backend.llm.remote.slab import NAME_PREFIX, Slab
+from genlm_backend.llm.remote.slab import HAS_SEALED, NAME_PREFIX, SEALED_PREFIX, Slab, slab_bytes
 from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
 from tests.serve_support import ServerProcess
 from tests.strategy_branches import Branches
@@ -175,6 +176,8 @@ CAPACITIES = ["capacity as made", "another capacity", "no capacity"]
 RESIZES, MODES = [None, 0, 1, 64, "grow"], [0o600, 0o644, 0o660]
 OFFER_OUTCOMES = ["honest offer accepted", "honest offer of a shared segment refused", "refused"]
 SIZES = [0, 1, 4096, 10**7]
+SLAB_KINDS = ["sealed", "named"] if HAS_SEALED else ["named"]
+"""A sealed ``memfd`` (the server maps it) and a named segment (it writes a descriptor)."""
 BRANCHES = {
     "test_malformed_http_requests_fail_alone": [
         *(f"{method} {path}" for method, path in ROUTES),
@@ -194,10 +197,12 @@ BRANCHES = {
         *CAPACITIES,
         *(f"resize: {resize}" for resize in RESIZES),
         *(f"mode: {mode:o}" for mode in MODES),
+        *(f"kind: {kind}" for kind in SLAB_KINDS),
         *OFFER_OUTCOMES,
     ],
     "test_a_slab_resized_under_its_open_session_cannot_end_the_server": [
-        f"size: {size}" for size in SIZES
+        *(f"size: {size}" for size in SIZES),
+        *(f"kind: {kind}" for kind in SLAB_KINDS),
     ],
 }
 """Every branch each test's examples must reach (its strategies' values and the outcomes
@@ -255,8 +260,8 @@ class HostileSession:
     """A hostile client's own slab session, opened by hand on a connection of its own
     (the session lasts as long as that connection's answer)."""
 
-    def __init__(self, url: str):
-        self.slab = Slab.create(4, VOCAB)
+    def __init__(self, url: str, sealed: bool | None = None):
+        self.slab = Slab.create(4, VOCAB, sealed)
         self._pool = urllib3.connection_from_url(url, timeout=10, retries=False)
         offer = protocol.encode_slab_offer("hostile", self.slab.name, self.slab.nonce, 4)
         self._answer = self._pool.request("POST", "/v1/session", body=offer, preload_content=False)
@@ -338,30 +343,49 @@ def capacity_branch(capacity: int) -> str:
     capacity=st.integers(-3, 2**40),
     resize=st.sampled_from(RESIZES),
     mode=st.sampled_from(MODES),
+    kind=st.sampled_from(SLAB_KINDS),
     seed=st.integers(0, 10**6),
 )
-@example(name="real", nonce="right", capacity=4, resize=None, mode=0o600, seed=1)  # accepted
-@example(name="real", nonce="right", capacity=4, resize=None, mode=0o644, seed=2)
-@example(name="prefix-only", nonce="wrong", capacity=0, resize=0, mode=0o660, seed=3)
-@example(name="other", nonce="right", capacity=5, resize=1, mode=0o600, seed=4)
-@example(name="real", nonce="wrong", capacity=-3, resize=64, mode=0o644, seed=5)
-@example(name="real", nonce="right", capacity=4, resize="grow", mode=0o600, seed=6)
+@example(name="real", nonce="right", capacity=4, resize=None, mode=0o600, kind="named", seed=1)
+@example(name="real", nonce="right", capacity=4, resize=None, mode=0o644, kind="named", seed=2)
+@example(name="prefix-only", nonce="wrong", capacity=0, resize=0, mode=0o660, kind="named", seed=3)
+@example(name="other", nonce="right", capacity=5, resize=1, mode=0o600, kind="named", seed=4)
+@example(name="real", nonce="wrong", capacity=-3, resize=64, mode=0o644, kind="named", seed=5)
+@example(name="real", nonce="right", capacity=4, resize="grow", mode=0o600, kind="named", seed=6)
+@example(name="real", nonce="right", capacity=4, resize=0, mode=0o600, kind=SLAB_KINDS[0], seed=7)
+@example(
+    name="other", nonce="right", capacity=4, resize=None, mode=0o600, kind=SLAB_KINDS[0], seed=8
+)
 def test_slab_offers_that_are_not_what_they_claim_are_refused(
-    server, good, branches, name, nonce, capacity, resize, mode, seed
+    server, good, branches, name, nonce, capacity, resize, mode, kind, seed
 ):
-    honest = name == "real" and nonce == "right" and capacity == 4 and resize is None
-    outcome = OFFER_OUTCOMES[0 if honest and mode == 0o600 else 1 if honest else 2]
-    branches.example(
-        f"name: {name}", f"nonce: {nonce}", capacity_branch(capacity), f"resize: {resize}",
-        f"mode: {mode:o}", outcome,
-    )  # fmt: skip
-    slab = Slab.create(4, VOCAB)
+    slab = Slab.create(4, VOCAB, sealed=kind == "sealed")
+    unsealed = -1
     try:
-        fd = slab._shm._fd
+        fd, size = slab.fd, os.fstat(slab.fd).st_size
         if resize is not None:
-            os.ftruncate(fd, os.fstat(fd).st_size * 2 if resize == "grow" else resize)
+            # The kernel refuses to shrink a sealed slab; anything may grow.
+            refused = slab.is_sealed and resize != "grow"
+            with pytest.raises(PermissionError) if refused else contextlib.nullcontext():
+                os.ftruncate(fd, size * 2 if resize == "grow" else resize)
         os.fchmod(fd, mode)
-        offered = {"real": slab.name, "prefix-only": NAME_PREFIX, "other": "psm_" + slab.name}[name]
+        if slab.is_sealed:  # "other": a segment like the slab in all but its seal
+            unsealed = os.memfd_create(NAME_PREFIX + "unsealed", os.MFD_ALLOW_SEALING)
+            os.fchmod(unsealed, mode)
+            os.pwrite(unsealed, slab.nonce, 0)
+            os.ftruncate(unsealed, slab_bytes(4, VOCAB))
+            other = f"{SEALED_PREFIX}{os.getpid()}:{unsealed}"
+            offered = {"real": slab.name, "prefix-only": SEALED_PREFIX, "other": other}[name]
+        else:
+            offered = {"real": slab.name, "prefix-only": NAME_PREFIX, "other": "psm_" + slab.name}
+            offered = offered[name]
+        resized = os.fstat(fd).st_size != size
+        honest = name == "real" and nonce == "right" and capacity == 4 and not resized
+        outcome = OFFER_OUTCOMES[0 if honest and mode == 0o600 else 1 if honest else 2]
+        branches.example(
+            f"name: {name}", f"nonce: {nonce}", capacity_branch(capacity), f"resize: {resize}",
+            f"mode: {mode:o}", f"kind: {kind}", outcome,
+        )  # fmt: skip
         body = protocol.pack(
             {
                 "client": "hostile",
@@ -382,22 +406,33 @@ def test_slab_offers_that_are_not_what_they_claim_are_refused(
     finally:
         slab.close()
         slab.unlink()
+        if unsealed >= 0:
+            os.close(unsealed)
     check_good_client(server, good, seed)
 
 
 @FUZZ
-@given(size=st.sampled_from(SIZES), seed=st.integers(0, 10**6))
-@example(size=SIZES[0], seed=1)
-@example(size=SIZES[1], seed=2)
-@example(size=SIZES[2], seed=3)
-@example(size=SIZES[3], seed=4)
+@given(size=st.sampled_from(SIZES), kind=st.sampled_from(SLAB_KINDS), seed=st.integers(0, 10**6))
+@example(size=SIZES[0], kind="named", seed=1)
+@example(size=SIZES[1], kind="named", seed=2)
+@example(size=SIZES[2], kind="named", seed=3)
+@example(size=SIZES[3], kind="named", seed=4)
+@example(size=SIZES[0], kind=SLAB_KINDS[0], seed=5)
+@example(size=SIZES[3], kind=SLAB_KINDS[0], seed=6)
 def test_a_slab_resized_under_its_open_session_cannot_end_the_server(
-    server, good, reference, branches, size, seed
+    server, good, reference, branches, size, kind, seed
 ):
-    session = HostileSession(server.url)
+    session = HostileSession(server.url, sealed=kind == "sealed")
     contexts = [[1, seed % FAILING_TOKEN], [2, 3]]
     try:
-        os.ftruncate(session.slab._shm._fd, size)
+        fd = session.slab.fd
+        shrinks = size < os.fstat(fd).st_size
+        with (
+            pytest.raises(PermissionError)
+            if session.slab.is_sealed and shrinks
+            else (contextlib.nullcontext())
+        ):  # the kernel refuses to shrink a sealed slab, which the server maps
+            os.ftruncate(fd, size)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(10)
             sock.connect(session.channel)
@@ -409,7 +444,7 @@ def test_a_slab_resized_under_its_open_session_cannot_end_the_server(
             assert sock.recv(LENGTH_BYTES + 1, socket.MSG_WAITALL)[LENGTH_BYTES:] == b"O"
             header = sock.recv(LENGTH_BYTES, socket.MSG_WAITALL)
             payload = sock.recv(int.from_bytes(header, "little"), socket.MSG_WAITALL)
-        branches.example(f"size: {size}")
+        branches.example(f"size: {size}", f"kind: {kind}")
         if payload[:1] == b"S":  # in its slab, extended again by the server's write
             rows = session.slab.read(len(contexts))
         else:  # in the frame (the server could not write the slab)

@@ -21,7 +21,8 @@ import torch
 
 from genlm_backend import MockAsyncLM
 from genlm_backend.errors import RemoteModelError, ServerUnavailableError
-from genlm_backend.llm.remote.slab import Slab, slab_bytes
+from genlm_backend.llm.remote import client_slab
+from genlm_backend.llm.remote.slab import HAS_SEALED, SEALED_PREFIX, Slab, slab_bytes
 from genlm_backend.serve import RemoteLM
 from tests.serve_gated_server import BYTE_VOCAB
 from tests.serve_support import ServerProcess, wait_until
@@ -67,8 +68,18 @@ def server():
     server.stop()
 
 
-@pytest.fixture
-def remote(server):
+@pytest.fixture(
+    params=[
+        pytest.param(
+            True, id="sealed", marks=pytest.mark.skipif(not HAS_SEALED, reason="no memfd")
+        ),
+        pytest.param(False, id="named"),
+    ]
+)
+def remote(server, request, monkeypatch):
+    """A client of ``server`` whose slab is a sealed ``memfd`` (the server maps it) or a
+    named segment (the server writes it through a descriptor)."""
+    monkeypatch.setattr(client_slab, "HAS_SEALED", request.param)
     with RemoteLM(server.url) as lm:
         yield lm
 
@@ -88,12 +99,13 @@ def test_a_client_on_the_servers_machine_gets_exact_rows_through_shared_memory(
 
 
 def test_a_client_that_shrinks_its_slab_cannot_end_the_server(remote, reference, server):
-    """The server writes slabs through descriptors: a segment cut short by its client is
-    extended again by the write, where a mapping's store would end the server (SIGBUS)."""
+    """A mapping's store into a segment cut short would end the server (SIGBUS): the kernel
+    refuses to shrink a sealed slab, which the server maps; a named segment, which it
+    writes through a descriptor, is extended again by the write."""
     remote.batch_next_token_logprobs_sync(contexts(4, 4))
-    name = remote.runner.slab_name
-    assert name is not None
-    os.ftruncate(remote.runner._slab.slab._shm._fd, 0)  # type: ignore[union-attr]
+    slab = remote.runner._slab.slab  # type: ignore[union-attr]
+    with pytest.raises(PermissionError) if slab.is_sealed else contextlib.nullcontext():
+        os.ftruncate(slab.fd, 0)
     rows = remote.batch_next_token_logprobs_sync(contexts(5, 4))
     assert server.process.poll() is None
     assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(5, 4)))
@@ -221,8 +233,10 @@ def test_a_server_that_cannot_open_the_slab_answers_in_bodies(server, reference,
     """What a client of a server on another machine sees: the slab's name is not there."""
     create = Slab.create
 
-    def elsewhere(capacity_rows: int, vocab_size: int) -> Slab:
-        slab = create(capacity_rows, vocab_size)
+    def elsewhere(capacity_rows: int, vocab_size: int, sealed: bool | None = None) -> Slab:
+        slab = create(capacity_rows, vocab_size, sealed)
+        if slab.is_sealed:  # a process the server cannot see
+            slab.name = f"{SEALED_PREFIX}{2**31 - 1}:{slab.fd}"
         slab.unlink()
         return slab
 
@@ -234,6 +248,28 @@ def test_a_server_that_cannot_open_the_slab_answers_in_bodies(server, reference,
         round_trips = lm.runner.num_round_trips
         lm.batch_next_token_logprobs_sync(contexts(7, 4))  # no new offer: one round trip
         assert lm.runner.num_round_trips == round_trips + 1
+    assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(6, 4)))
+
+
+@pytest.mark.skipif(not HAS_SEALED, reason="no memfd")
+def test_a_server_that_cannot_open_a_sealed_slab_gets_a_named_one(server, reference, monkeypatch):
+    """A server in another PID namespace cannot open the client's descriptors, but may share
+    its /dev/shm: the client offers a named segment next."""
+    create = Slab.create
+
+    def unseen(capacity_rows: int, vocab_size: int, sealed: bool | None = None) -> Slab:
+        slab = create(capacity_rows, vocab_size, sealed)
+        if slab.is_sealed:
+            slab.name = f"{SEALED_PREFIX}{2**31 - 1}:{slab.fd}"
+        return slab
+
+    monkeypatch.setattr(Slab, "create", unseen)
+    with RemoteLM(server.url, output_cache_bytes=0) as lm:
+        rows = lm.batch_next_token_logprobs_sync(contexts(6, 4))
+        assert lm.runner.shared_memory_refusal is None
+        assert not lm.runner._slab.slab.is_sealed  # type: ignore[union-attr]
+        assert f"/dev/shm/{lm.runner.slab_name}" in held_by(server.process.pid)
+        assert lm.runner.num_channel_round_trips == 1
     assert torch.equal(rows, reference.batch_next_token_logprobs_sync(contexts(6, 4)))
 
 
@@ -265,7 +301,7 @@ def test_a_client_killed_before_its_slab_was_mapped_leaves_nothing_behind():
     """Between creating its slab and the server's mapping, a client's resource tracker owns it."""
     script = (
         "import sys; from genlm_backend.llm.remote.slab import Slab\n"
-        "slab = Slab.create(4, 256); print('slab', slab.name, flush=True)\n"
+        "slab = Slab.create(4, 256, sealed=False); print('slab', slab.name, flush=True)\n"
         "sys.stdin.readline()\n"
     )
     client = ServerProcess(["-c", script])

@@ -33,7 +33,7 @@ import urllib3
 from genlm_backend.errors import ServerUnavailableError
 from genlm_backend.llm.remote import http, protocol
 from genlm_backend.llm.remote.channel import HAS_UNIX_SOCKETS, ChannelClient, ChannelRefused
-from genlm_backend.llm.remote.slab import Slab, SlabRefused, rows_view
+from genlm_backend.llm.remote.slab import HAS_SEALED, Slab, SlabRefused, rows_view
 
 
 class RowLoans:
@@ -121,10 +121,45 @@ class ClientSlab:
             ServerUnavailableError, ServerRejectedError: as for any request.
         """
         try:
-            slab = Slab.create(protocol.SLAB_BATCHES * batch_rows, vocab_size)
+            if HAS_SEALED:
+                # A sealed slab first; a server that cannot open this process's descriptors
+                # (another PID namespace) may still open a named segment.
+                with contextlib.suppress(SlabRefused):
+                    return cls._offer(
+                        url,
+                        pool,
+                        client,
+                        batch_rows,
+                        vocab_size,
+                        read_timeout_s,
+                        check_answer,
+                        True,
+                    )
+            return cls._offer(
+                url, pool, client, batch_rows, vocab_size, read_timeout_s, check_answer, False
+            )
+        except BaseException:
+            pool.close()
+            raise
+
+    @classmethod
+    def _offer(
+        cls,
+        url: str,
+        pool: urllib3.HTTPConnectionPool,
+        client: str,
+        batch_rows: int,
+        vocab_size: int,
+        read_timeout_s: float,
+        check_answer: Callable[[urllib3.BaseHTTPResponse], None],
+        sealed: bool,
+    ) -> ClientSlab:
+        """:meth:`offer` of a slab of one kind (sealed or named)."""
+        try:
+            slab = Slab.create(protocol.SLAB_BATCHES * batch_rows, vocab_size, sealed)
         except OSError:
             try:  # a small /dev/shm: scratch rows only, copied out
-                slab = Slab.create(batch_rows, vocab_size)
+                slab = Slab.create(batch_rows, vocab_size, sealed)
             except OSError as exc:
                 raise SlabRefused(f"no shared memory for {batch_rows} rows here ({exc})") from None
         capacity_rows = slab.capacity_rows
@@ -144,7 +179,6 @@ class ClientSlab:
                 answer.close()
             slab.close()
             slab.unlink()
-            pool.close()
             raise
         slab.unlink()  # the server holds its mapping: the memory lives as long as one of ours
         return client_slab

@@ -101,8 +101,9 @@ class RemoteRunner:
 
     @property
     def slab_name(self) -> str | None:
-        """The shared-memory segment this client's rows arrive in (``None``: none open)."""
-        return None if self._slab is None else self._slab.slab.name
+        """The name of the shared-memory segment this client's rows arrive in, as
+        ``/proc/PID/maps`` shows it (``None``: none open)."""
+        return None if self._slab is None else self._slab.slab.segment
 
     @property
     def num_rows_on_loan(self) -> int:

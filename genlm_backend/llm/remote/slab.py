@@ -1,30 +1,40 @@
 """Rows through shared memory: a client's slab, which the server writes its answers into.
 
-A slab is one POSIX shared-memory segment (:mod:`multiprocessing.shared_memory`)
-that a client creates (:class:`Slab`) and a server on the same machine writes
-(:class:`SlabWriter`). Layout::
+A slab is one segment of memory that a client creates (:class:`Slab`) and a
+server on the same machine writes (:class:`SlabWriter`). Layout::
 
     [0, HEADER_BYTES)   header: the client's random nonce (NONCE_BYTES), then zeros
     [HEADER_BYTES, ...) rows: float32 [capacity_rows, vocab_size], C order, native byte order
 
 The nonce makes the same-machine check robust: a server accepts a slab only if
-it can open the segment by name *and* finds there the nonce the client sent
-in its offer, so a name that happens to exist on another machine is refused.
-
-The server never maps a client's segment. A mapping would let the client end
-the server: shrinking the segment (``ftruncate`` on its own descriptor) turns
-the server's next store into a ``SIGBUS``. The server writes with
-``pwritev`` on a descriptor instead, which extends a shrunk segment again or
-fails with an error that costs only that client its session. It accepts a
+it can open the segment *and* finds there the nonce the client sent in its
+offer, so a name that happens to exist elsewhere is refused. It accepts a
 segment only if it belongs to the server's own user, no other user may read
 or write it, and its size is exactly the offered slab's.
 
-Lifetime: the client unlinks the segment's name as soon as the server has
-opened it (:meth:`Slab.unlink`); from then on the memory is held only by the
-client's mapping and the server's descriptor and freed by the kernel when both
-are gone, so a killed client or server leaves nothing in ``/dev/shm``. Pages
-are reserved at creation (``posix_fallocate``): a full ``/dev/shm`` fails
-there, with ``OSError``.
+Two kinds of segment, one layout:
+
+* **Sealed** (Linux, the default there): a ``memfd`` the client seals against
+  shrinking (``F_SEAL_SHRINK``), named ``memfd:PID:FD`` in its offer; the
+  server opens it through ``/proc/PID/fd/FD`` (possible only for a process
+  of its own user that it can see), checks the seal, and **maps** it: a
+  batch's rows are copied straight into the client's pages. A mapping of a
+  segment that can shrink would let the client end the server (``ftruncate``
+  turns the server's next store into a ``SIGBUS``); the kernel refuses to
+  shrink a sealed one, so a mapping of it is safe.
+* **Named**: a POSIX shared-memory segment (:mod:`multiprocessing.shared_memory`),
+  for servers that cannot open the client's descriptors (another PID
+  namespace) and systems without ``memfd``. Such a segment can shrink, so
+  the server never maps it: it writes with ``pwritev`` on a descriptor, which
+  extends a shrunk segment again or fails with an error that costs only that
+  client its session.
+
+Lifetime: the client unlinks a named segment as soon as the server has
+opened it (:meth:`Slab.unlink`; a sealed one never had a name); from then on
+the memory is held only by the two processes and freed by the kernel when
+both are gone, so a killed client or server leaves nothing in ``/dev/shm``.
+Pages are reserved at creation (``posix_fallocate``): too little shared
+memory fails there, with ``OSError``.
 
 Views of the segment through :class:`Slab` are numpy arrays made for one copy
 and dropped at once: a mapping cannot be closed while one is alive
@@ -36,8 +46,10 @@ through a mapping of their own, :meth:`Slab.lending_map`, held by them alone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import re
 import secrets
 import stat
 from collections.abc import Sequence
@@ -50,7 +62,16 @@ HEADER_BYTES = 64
 """Bytes before the first row (the nonce, padded): rows start 64-byte aligned."""
 NONCE_BYTES = 16
 NAME_PREFIX = "genlm-serve-"
-"""Every slab's segment name starts with this (``/dev/shm/genlm-serve-*`` on Linux)."""
+"""Every named slab's segment name starts with this (``/dev/shm/genlm-serve-*`` on Linux)."""
+SEALED_PREFIX = "memfd:"
+"""A sealed slab's name in an offer: ``memfd:PID:FD``."""
+HAS_SEALED = (
+    hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
+)
+"""Whether this system makes sealed slabs (Linux)."""
+
+_SEALED_NAME = re.compile(r"memfd:([1-9][0-9]{0,9}):([0-9]{1,9})")
+_SEALED_TARGET = "/memfd:" + NAME_PREFIX  # what /proc/PID/fd/FD reads for a sealed slab
 
 
 class SlabRefused(Exception):
@@ -64,41 +85,73 @@ def slab_bytes(capacity_rows: int, vocab_size: int) -> int:
 
 
 class Slab:
-    """One shared-memory segment of rows, as a client created it or a server mapped it.
+    """One segment of rows, as a client created it.
 
     Not thread-safe: a client reads and closes it under its ``AsyncLM``'s
-    compute lock, a server writes and closes it on its event loop.
+    compute lock.
     """
 
-    def __init__(self, shm: SharedMemory, capacity_rows: int, vocab_size: int, nonce: bytes):
-        self._shm = shm
+    def __init__(
+        self,
+        name: str,
+        segment: str,
+        fd: int,
+        mapping: mmap.mmap,
+        capacity_rows: int,
+        vocab_size: int,
+        nonce: bytes,
+        shm: SharedMemory | None = None,
+    ):
+        self.name = name
+        """What the client offers: a named segment's name, or ``memfd:PID:FD``."""
+        self.segment = segment
+        """The segment's own name, as ``/proc/PID/maps`` shows it (``/dev/shm/NAME`` or
+        ``/memfd:NAME``)."""
+        self.fd = fd
+        """The segment's descriptor (the client's own)."""
+        self._mapping = mapping
+        self._shm = shm  # a named segment's owner (it holds ``fd`` and ``mapping``)
         self.capacity_rows = capacity_rows
         self.vocab_size = vocab_size
         self.nonce = nonce
         self.is_closed = False
 
     @property
-    def name(self) -> str:
-        return self._shm.name
+    def is_sealed(self) -> bool:
+        """Whether the segment cannot shrink (a sealed ``memfd``), so the server may map it."""
+        return self._shm is None
 
     @classmethod
-    def create(cls, capacity_rows: int, vocab_size: int) -> Slab:
+    def create(cls, capacity_rows: int, vocab_size: int, sealed: bool | None = None) -> Slab:
         """A new slab (the client's), its pages reserved and its nonce written.
+
+        Args:
+            sealed: A sealed segment (the default where :data:`HAS_SEALED`) or a named one.
 
         Raises:
             OSError: no shared memory here, or not enough of it (e.g. a small ``/dev/shm``).
         """
         size = slab_bytes(capacity_rows, vocab_size)
-        shm = SharedMemory(name=NAME_PREFIX + secrets.token_hex(12), create=True, size=size)
         nonce = secrets.token_bytes(NONCE_BYTES)
+        name = NAME_PREFIX + secrets.token_hex(12)
+        if sealed is None:
+            sealed = HAS_SEALED
+        if sealed:
+            fd, mapping = _sealed_segment(name, size)
+            mapping[:NONCE_BYTES] = nonce
+            offered = f"{SEALED_PREFIX}{os.getpid()}:{fd}"
+            return cls(offered, name, fd, mapping, capacity_rows, vocab_size, nonce)
+        shm = SharedMemory(name=name, create=True, size=size)
+        fd = shm._fd  # type: ignore[attr-defined]  # SharedMemory's descriptor on POSIX
         try:
-            _reserve_pages(shm)
+            _reserve_pages(fd, size)
             _buffer(shm)[:NONCE_BYTES] = nonce
         except BaseException:
             shm.close()
             shm.unlink()
             raise
-        return cls(shm, capacity_rows, vocab_size, nonce)
+        mapping = shm._mmap  # type: ignore[attr-defined]  # closed by shm.close()
+        return cls(shm.name, shm.name, fd, mapping, capacity_rows, vocab_size, nonce, shm)
 
     def read(self, num_rows: int, first_row: int = 0) -> torch.Tensor:
         """A fresh ``float32`` ``[num_rows, vocab_size]`` CPU tensor: the slab's rows from
@@ -113,8 +166,7 @@ class Slab:
         """
         if self.is_closed:
             raise ValueError("this slab is closed")
-        fd = self._shm._fd  # type: ignore[attr-defined]  # SharedMemory's descriptor on POSIX
-        return mmap.mmap(fd, self._shm.size)  # mmap keeps a descriptor of its own
+        return mmap.mmap(self.fd, len(self._mapping))  # mmap keeps a descriptor of its own
 
     def _view(self, num_rows: int, first_row: int = 0) -> np.ndarray:
         if self.is_closed:
@@ -123,21 +175,27 @@ class Slab:
             raise ValueError(
                 f"{num_rows} rows from row {first_row} do not fit a slab of {self.capacity_rows}"
             )
-        return rows_view(_buffer(self._shm), self.vocab_size, num_rows, first_row)
+        return rows_view(self._mapping, self.vocab_size, num_rows, first_row)
 
     def unlink(self) -> None:
-        """Remove the segment's name (the client's, once the server mapped it); mappings stay valid.
+        """Remove a named segment's name (once the server opened it); mappings stay valid.
 
-        Idempotent.
+        Idempotent; nothing to do for a sealed segment, which has no name.
         """
-        with contextlib.suppress(FileNotFoundError):
-            self._shm.unlink()
+        if self._shm is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
 
     def close(self) -> None:
-        """Unmap this side's view. Idempotent."""
-        if not self.is_closed:
-            self.is_closed = True
+        """Unmap this side's view and close its descriptor. Idempotent."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if self._shm is not None:
             self._shm.close()
+        else:
+            self._mapping.close()
+            os.close(self.fd)
 
 
 def rows_view(buffer, vocab_size: int, num_rows: int, first_row: int) -> np.ndarray:
@@ -154,28 +212,51 @@ def _buffer(shm: SharedMemory) -> memoryview:
     return buffer
 
 
-def _reserve_pages(shm: SharedMemory) -> None:
+def _reserve_pages(fd: int, size: int) -> None:
     """Allocate every page now: writing past a full tmpfs raises ``SIGBUS`` in the writer."""
-    fd = getattr(shm, "_fd", -1)  # SharedMemory keeps its descriptor here on POSIX
-    if fd >= 0 and hasattr(os, "posix_fallocate"):
-        os.posix_fallocate(fd, 0, shm.size)
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+
+
+def _sealed_segment(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new ``memfd`` of ``size`` bytes, private, its pages reserved, sealed against
+    shrinking; its descriptor and a mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        _reserve_pages(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class SlabWriter:
-    """The server's side of a client's slab: a descriptor it writes rows through, never a mapping.
+    """The server's side of a client's slab: a mapping of a sealed one, a descriptor of a
+    named one (which it never maps).
 
     Not thread-safe: a server writes and closes it on its event loop.
     """
 
-    def __init__(self, fd: int, capacity_rows: int, vocab_size: int):
+    def __init__(
+        self, capacity_rows: int, vocab_size: int, fd: int = -1, mapping: mmap.mmap | None = None
+    ):
         self._fd = fd
+        self._mapping = mapping
         self.capacity_rows = capacity_rows
         self.vocab_size = vocab_size
         self._staging: torch.Tensor | None = None  # page-locked, for rows on a GPU
 
     @property
     def is_closed(self) -> bool:
-        return self._fd < 0
+        return self._fd < 0 and self._mapping is None
+
+    @property
+    def is_mapped(self) -> bool:
+        """Whether rows are copied into a mapping (a sealed slab), not written through a descriptor."""
+        return self._mapping is not None
 
     @classmethod
     def attach(cls, name: str, nonce: bytes, capacity_rows: int, vocab_size: int) -> SlabWriter:
@@ -183,26 +264,36 @@ class SlabWriter:
 
         Raises:
             SlabRefused: the message says why (not a slab name, no such segment here,
-                another owner, open to other users, another size, another nonce).
+                another owner, open to other users, another size, another nonce, not
+                sealed against shrinking).
         """
-        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
+        sealed = name.startswith(SEALED_PREFIX)
+        if sealed:
+            if not (HAS_SEALED and _SEALED_NAME.fullmatch(name)):
+                raise SlabRefused(f"not a sealed slab's name here: {name!r}")
+        elif not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
             raise SlabRefused(f"not a slab name: {name!r}")
         if min(capacity_rows, vocab_size) < 1:
             raise SlabRefused(f"a slab of {capacity_rows} rows of {vocab_size} holds nothing")
+        size = slab_bytes(capacity_rows, vocab_size)
+        fd = _open_sealed(name) if sealed else _open_named(name)
         try:
-            fd = _shm_open(name)
-        except (
-            OSError
-        ) as exc:  # FileNotFoundError on another machine, PermissionError for another user
-            raise SlabRefused(f"cannot open shared memory {name!r} here ({exc.strerror})") from None
-        try:
-            _check_private(fd, name, slab_bytes(capacity_rows, vocab_size))
+            _check_private(fd, name, size)
+            if sealed and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise SlabRefused(f"{name!r} is not sealed against shrinking")
             if os.pread(fd, NONCE_BYTES, 0) != nonce:
                 raise SlabRefused(f"shared memory {name!r} does not hold the offered nonce")
+            if not sealed:
+                return cls(capacity_rows, vocab_size, fd=fd)
+            try:
+                mapping = mmap.mmap(fd, size)
+            except OSError as exc:  # sealed against writing
+                raise SlabRefused(f"cannot map {name!r} for writing ({exc.strerror})") from None
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, capacity_rows, vocab_size)
+        os.close(fd)  # the mapping keeps the memory
+        return cls(capacity_rows, vocab_size, mapping=mapping)
 
     def write(self, rows: Sequence[torch.Tensor], first_row: int = 0) -> None:
         """Copy ``rows`` (float32 ``[vocab_size]`` each, any device) into the slab from row ``first_row`` on.
@@ -220,7 +311,18 @@ class SlabWriter:
             )
         if any(row.dtype != torch.float32 or row.numel() != self.vocab_size for row in rows):
             raise ValueError(f"rows must be float32 [{self.vocab_size}]")
-        if all(row.device.type == "cpu" for row in rows):
+        if not rows:
+            return
+        on_cpu = all(row.device.type == "cpu" for row in rows)
+        if self._mapping is not None:
+            slab_rows = rows_view(self._mapping, self.vocab_size, len(rows), first_row)
+            target = torch.from_numpy(slab_rows)
+            if on_cpu:
+                torch.stack([row.detach().view(-1) for row in rows], out=target)
+            else:
+                target.copy_(torch.stack([row.detach().view(-1) for row in rows]))
+            return
+        if on_cpu:
             buffers = [row.detach().contiguous().numpy().data.cast("B") for row in rows]
         else:
             buffers = [self._to_host(rows).numpy().data.cast("B")]
@@ -241,11 +343,14 @@ class SlabWriter:
         return staged
 
     def close(self) -> None:
-        """Close the descriptor. Idempotent."""
+        """Unmap the slab or close the descriptor. Idempotent."""
         fd, self._fd = self._fd, -1
+        mapping, self._mapping = self._mapping, None
         self._staging = None
         if fd >= 0:
             os.close(fd)
+        if mapping is not None:
+            mapping.close()
 
 
 def _check_private(fd: int, name: str, size: int) -> None:
@@ -282,8 +387,35 @@ def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
             pending[0] = pending[0][written:]
 
 
-def _shm_open(name: str) -> int:
+def _open_named(name: str) -> int:
     """A read-write descriptor of the existing POSIX segment ``name`` (not handed to any tracker)."""
     import _posixshmem  # the module SharedMemory opens segments with
 
-    return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except OSError as exc:  # FileNotFoundError on another machine, PermissionError for another user
+        raise SlabRefused(f"cannot open shared memory {name!r} here ({exc.strerror})") from None
+
+
+def _open_sealed(name: str) -> int:
+    """A read-write descriptor of the ``memfd`` that ``memfd:PID:FD`` names, through ``/proc``.
+
+    The path is read before it is opened (only a sealed slab's is) and the
+    descriptor after (the client may have replaced its descriptor between):
+    nothing but a ``memfd`` of a slab is opened or kept.
+    """
+    pid, fd = _SEALED_NAME.fullmatch(name).groups()  # type: ignore[union-attr]  # checked
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if not os.readlink(path).startswith(_SEALED_TARGET):
+            raise SlabRefused(f"{name!r} is not a slab")
+        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:  # another PID namespace, another user, a process gone
+        raise SlabRefused(f"cannot open {name!r} here ({exc.strerror})") from None
+    try:
+        if not os.readlink(f"/proc/self/fd/{opened}").startswith(_SEALED_TARGET):
+            raise SlabRefused(f"{name!r} is not a slab")
+    except BaseException:
+        os.close(opened)
+        raise
+    return opened
