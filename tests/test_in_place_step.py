@@ -7,6 +7,7 @@ made from the last step is held equal to the one the planner makes from the look
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import random
 import weakref
@@ -22,7 +23,7 @@ class PlanSpy:
     """Counts the plans made from the last step, each checked against the planner's."""
 
     def __init__(self, monkeypatch, driver):
-        self.made = self.declined = 0
+        self.made = self.declined = self.permuted = 0
         self.last_plan = None
         real = runner_module.InPlaceStep.next_plan
 
@@ -32,20 +33,37 @@ class PlanSpy:
                 self.declined += 1
                 return None
             self.made += 1
-            plan, entries = followed
-            lookups = driver.lookup(contexts, namespace, parents)
-            assert plan == planner.plan_batch(lookups, policy), "the planner's plan"
-            assert [row.found for row in plan.passes[0].rows] == entries
+            plan, entries, grown = followed
+            (pass_plan,) = plan.passes
+            order = [row.reads[0][0] for row in pass_plan.rows]  # the output each row gives
+            assert sorted(order) == list(range(len(contexts)))
+            assert list(grown) == [contexts[j] for j in order]
+            self.permuted += order != sorted(order)
+            # The planner's plan of the same contexts in the block's order, each row read
+            # by the output of the batch's context it computes.
+            lookups = driver.lookup(grown, namespace, [parents[j] for j in order])
+            (expected,) = planner.plan_batch(lookups, policy).passes
+            rows = tuple(row._replace(reads=((j, 0),)) for row, j in zip(expected.rows, order))
+            expected = dataclasses.replace(expected, rows=rows)
+            assert plan == planner.BatchPlan((expected,), len(contexts)), "the planner's plan"
+            assert [row.found for row in pass_plan.rows] == entries
             self.last_plan = plan
             return followed
 
         monkeypatch.setattr(runner_module.InPlaceStep, "next_plan", next_plan)
 
 
-async def steps(llm, particles, rng, count, check_every=1):
+async def steps(llm, particles, rng, count, check_every=1, shuffle=False):
+    """``count`` steps of ``particles``, each a token longer; ``shuffle``: their requests
+    come in another order each step (as a server gathers its clients')."""
     for step in range(count):
         particles[:] = [p + [rng.randrange(3000)] for p in particles]
-        rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        order = rng.sample(range(len(particles)), len(particles)) if shuffle else None
+        if order is None:
+            rows = await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+        else:
+            shuffled = await asyncio.gather(*(llm.next_token_logprobs(particles[i]) for i in order))
+            rows = [row for _, row in sorted(zip(order, shuffled), key=lambda pair: pair[0])]
         if step % check_every == 0 or step == count - 1:
             for particle, row in zip(particles, rows):
                 assert_matches_reference(llm, particle, row)
@@ -65,6 +83,22 @@ async def test_lock_step_particles_are_planned_from_their_last_step(tiny_llama, 
     await steps(llm, particles, rng, 2 * INDEX_STRIDE + 3, check_every=4)
     assert spy.made >= 2 * INDEX_STRIDE - 8, (spy.made, spy.declined)
     assert spy.declined >= 1, "a block out of spare slots is planned afresh"
+
+
+async def test_particles_requested_in_another_order_each_step_are_planned_from_their_last_step(
+    tiny_llama, monkeypatch
+):
+    """A server's batch holds its clients' particles in the order they came: each step, the
+    same particles in another order still extend their block in place (each row giving
+    its context's output), and the rows stay exact."""
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    spy = PlanSpy(monkeypatch, llm.runner.driver)
+    rng = random.Random(12)
+    particles = [[rng.randrange(3000) for _ in range(n)] for n in (6, 9, 7, 9, 12)]
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    await steps(llm, particles, rng, 10, shuffle=True)
+    assert spy.made >= 7 and spy.permuted >= 6, (spy.made, spy.permuted, spy.declined)
 
 
 async def test_behind_a_shared_prompt_levels_carry_over(tiny_llama, monkeypatch):

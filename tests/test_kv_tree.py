@@ -231,7 +231,7 @@ def test_drop_namespace_evicts_exactly_that_namespace():
     assert tree.drop_namespace("missing") == 0
 
 
-def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_each_row():
+def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_every_row():
     tree = KVPrefixTree(1 << 20)
     contexts = [[1, 2, 3], [4, 5, 6]]
     block = make_block(contexts, [0, 0], num_slots=5)
@@ -239,7 +239,8 @@ def test_commit_places_rows_and_extendable_block_accepts_only_the_next_step_of_e
     assert block.row_ends == [3, 3]
     steps = [tree.longest_prefix(c + [9]) for c in contexts]
     assert extendable_block(steps) is block
-    assert extendable_block(steps[::-1]) is None  # rows swapped: not each row's own slots
+    assert extendable_block(steps[::-1]) is block  # in another order: each row's next slot
+    assert extendable_block([steps[0], steps[0]]) is None  # one row twice, the other never
     assert extendable_block([steps[0]]) is None  # not every row of the block steps
     short = [tree.longest_prefix(c[:2] + [9]) for c in contexts]  # branches off inside: slots taken
     assert extendable_block([(e, min(n, 2)) for e, n in short]) is None

@@ -226,9 +226,12 @@ def _plan_pass(hosts: Sequence[Host], policy: LevelPolicy) -> PassPlan:
         else None
     )
     if block is not None:
+        # Pass row i writes block row i: the rows in the block's order, each read by its outputs.
+        in_block_order = sorted(hosts, key=lambda host: host[0].entry.row)  # type: ignore[union-attr]
         levels_of: dict = {}  # rows behind one parent at one offset share their levels
         rows = tuple(
-            in_place_row(lookup.context, lookup.entry, found, levels_of) for lookup, found in hosts
+            in_place_row(lookup.context, lookup.entry, found, levels_of)
+            for lookup, found in in_block_order
         )
         first = hosts[0][0].entry
         assert first is not None  # an extendable block is some row's entry's
@@ -431,11 +434,12 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
     """The block a batch of one-token steps may write into in place, or ``None``.
 
-    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when every
-    row ``i`` extends, by one token, the whole context of an entry held
-    by row ``i`` of one block; those entries' spans all end at the same
-    slot, which is their row's last written slot (so the slot written now
-    belongs to no other entry), and a free slot is left. That is the SMC
+    ``steps[i]`` is ``(entry, reused)`` of batch row ``i``. True when the
+    rows extend, by one token each, the whole contexts of the entries held
+    by every row of one block, in any order (a server gathers its clients'
+    requests in the order they come); those entries' spans all end at the
+    same slot, which is their row's last written slot (so the slot written
+    now belongs to no other entry), and a free slot is left. That is the SMC
     step without resampling; anything else is copied into a new block.
     """
     first = steps[0][0] if steps else None
@@ -444,14 +448,17 @@ def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | N
     block, end = first.block, first.start + first.length
     if block.num_rows != len(steps) or end >= block.num_slots:
         return None
-    for i, (entry, reused) in enumerate(steps):
+    row_ends = block.row_ends
+    taken = bytearray(len(steps))
+    for entry, reused in steps:
         if (
             entry is None
             or entry.block is not block
-            or entry.row != i
+            or taken[entry.row]
             or reused != entry.offset + entry.length
             or entry.start + entry.length != end
-            or block.row_ends[i] != end
+            or row_ends[entry.row] != end
         ):
             return None
+        taken[entry.row] = 1
     return block

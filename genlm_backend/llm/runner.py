@@ -376,8 +376,10 @@ class PrefixCacheDriver:
         if last is not None and parents is not None:
             followed = last.next_plan(contexts, parents, namespace, policy, self.kv_tree)
         if followed is not None:
-            plan, entries = followed
-            out, kept = self._execute_in_place(plan, entries, contexts, namespace)
+            plan, entries, grown = followed  # in the block's order
+            in_order = grown is contexts
+            out, kept = self._execute_in_place(plan, entries, grown, namespace, in_order)
+            contexts = grown
         else:
             lookups = self.lookup(contexts, namespace, parents)
             if policy.enabled and self.prefill_shared(lookups, namespace):
@@ -385,6 +387,8 @@ class PrefixCacheDriver:
             plan = planner.plan_batch(lookups, policy)
             kept = [] if InPlaceStep.may_follow(plan, policy) else None
             out = self.execute(plan, namespace, kept)
+            if kept is not None:  # the contexts in the block's order, as their entries
+                contexts = [row.context for row in plan.passes[0].rows]
         if kept is not None and None not in kept:
             end = plan.passes[0].num_past + 1
             entries = cast(list[KVEntry], kept)  # none is None
@@ -521,14 +525,7 @@ class PrefixCacheDriver:
         for pass_plan in plan.passes:
             result = self.executor.run_pass(pass_plan, namespace)
             self.num_tokens_computed += sum(row.num_new for row in pass_plan.rows)
-            indices = [index for index, _, _ in pass_plan.reads]
-            if len(indices) == plan.num_outputs and indices == sorted(indices):
-                out = result.logprobs  # every row, in order
-            else:
-                if out is None:
-                    with torch.inference_mode(False):  # a tensor callers may write to
-                        out = result.logprobs.new_empty(plan.num_outputs, self.vocab_size)
-                out[indices] = result.logprobs
+            out = _placed_outputs(out, pass_plan, result.logprobs, plan.num_outputs)
             results.append(result)
         for result in results:
             self.kv_tree.commit(result.block, result.placements, namespace, kept)
@@ -541,9 +538,11 @@ class PrefixCacheDriver:
         entries: list[KVEntry],
         contexts: Sequence[tuple[int, ...]],
         namespace: Hashable,
+        in_order: bool,
     ) -> tuple[torch.Tensor, list[KVEntry | None]]:
-        """Run a step planned from the last one (:meth:`InPlaceStep.next_plan`): its rows, and
-        each row's entry once committed. Committed by growing ``entries`` a slot
+        """Run a step planned from the last one (:meth:`InPlaceStep.next_plan`): its rows
+        (in the batch's order; ``in_order``: the block's), and each row's entry once
+        committed (in the block's order, as ``entries`` and ``contexts``). Committed by growing ``entries`` a slot
         (:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.grow_in_place`, which
         :meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extend_in_place` checked before the
         pass), without its placements, unless the executor wrote another block (a captured
@@ -551,11 +550,14 @@ class PrefixCacheDriver:
         (pass_plan,) = plan.passes
         result = self.executor.run_pass(pass_plan, namespace)
         self.num_tokens_computed += len(pass_plan.rows)
+        out = result.logprobs
+        if not in_order:
+            out = _placed_outputs(None, pass_plan, out, plan.num_outputs)
         if result.block is not pass_plan.extends:
             kept: list[KVEntry | None] = []
             self.kv_tree.commit(result.block, result.placements, namespace, kept)
-            return result.logprobs, kept
-        return result.logprobs, self.kv_tree.grow_in_place(entries, contexts, namespace)
+            return out, kept
+        return out, self.kv_tree.grow_in_place(entries, contexts, namespace)
 
     def score(
         self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], namespace: Hashable = None
@@ -617,6 +619,22 @@ class PrefixCacheDriver:
             pieces[i].append(scores[a:b])
 
 
+def _placed_outputs(
+    out: torch.Tensor | None, pass_plan: PassPlan, logprobs: torch.Tensor, num_outputs: int
+) -> torch.Tensor:
+    """A batch's rows with a pass's ``logprobs`` (in the order of its reads) placed at their
+    outputs: the pass's own tensor when it holds every output in order, else ``out`` (made
+    when ``None``) with them written in."""
+    indices = [index for index, _, _ in pass_plan.reads]
+    if len(indices) == num_outputs and indices == sorted(indices):
+        return logprobs  # every row, in order
+    if out is None:
+        with torch.inference_mode(False):  # a tensor callers may write to
+            out = logprobs.new_empty(num_outputs, logprobs.shape[-1])
+    out[indices] = logprobs
+    return out
+
+
 class InPlaceStep:
     """A particles' step just committed in place, from which the next one is planned.
 
@@ -649,8 +667,9 @@ class InPlaceStep:
 
     @staticmethod
     def may_follow(plan: BatchPlan, policy: LevelPolicy) -> bool:
-        """Whether ``plan`` is one pass in place whose rows give the batch's rows in order:
-        a plan the next step can continue (levels at any offset: ``block_tokens`` unset)."""
+        """Whether ``plan`` is one pass in place whose rows give the batch's rows, one each (in
+        any order): a plan the next step can continue (levels at any offset: ``block_tokens``
+        unset)."""
         if len(plan.passes) != 1 or policy.block_tokens is not None:
             return False
         (pass_plan,) = plan.passes
@@ -658,7 +677,7 @@ class InPlaceStep:
             pass_plan.extends is not None
             and pass_plan.num_new == 1
             and plan.num_outputs == len(pass_plan.rows)
-            and all(row.reads == ((i, 0),) for i, row in enumerate(pass_plan.rows))
+            and all(len(row.reads) == 1 for row in pass_plan.rows)
         )
 
     def continues(
@@ -667,14 +686,38 @@ class InPlaceStep:
         parents: Sequence[tuple[int, ...] | None],
         namespace: Hashable,
     ) -> bool:
-        """Whether the batch names the last step's contexts as its parents, in order, under
-        its namespace, each context one token longer (what the tree holds is not checked)."""
-        return (
-            namespace == self.namespace
-            and len(contexts) == len(self.contexts)
-            and all(map(operator.is_, parents, self.contexts))
-            and all(len(c) == len(p) + 1 for c, p in zip(contexts, self.contexts))
-        )
+        """Whether the batch names the last step's contexts as its parents, in any order,
+        under its namespace, each context one token longer (what the tree holds is not checked)."""
+        return self.order(contexts, parents, namespace) is not None
+
+    def order(
+        self,
+        contexts: Sequence[tuple[int, ...]],
+        parents: Sequence[tuple[int, ...] | None],
+        namespace: Hashable,
+    ) -> Sequence[int] | None:
+        """For each of the last step's rows, the batch's index of the context that extends
+        it (a ``range`` when the batch is in the last step's order), or ``None``: the batch
+        does not continue the last step (see :meth:`continues`).
+
+        A server's batch gathers its clients' requests in the order they came: the
+        same particles, in another order each step.
+        """
+        last = self.contexts
+        if namespace != self.namespace or len(contexts) != len(last):
+            return None
+        if all(map(operator.is_, parents, last)):
+            if all(len(c) == len(p) + 1 for c, p in zip(contexts, last)):
+                return range(len(last))
+            return None
+        row_of = {id(context): i for i, context in enumerate(last)}
+        order = [-1] * len(last)
+        for j, (context, parent) in enumerate(zip(contexts, parents)):
+            i = row_of.get(id(parent), -1)
+            if i < 0 or last[i] is not parent or order[i] >= 0 or len(context) != len(parent) + 1:
+                return None
+            order[i] = j
+        return order
 
     def is_cached(self, kv_tree: KVPrefixTree) -> bool:
         """Whether the tree still holds every entry of the step (each holds its context)."""
@@ -687,11 +730,16 @@ class InPlaceStep:
         namespace: Hashable,
         policy: LevelPolicy,
         kv_tree: KVPrefixTree,
-    ) -> tuple[BatchPlan, list[KVEntry]] | None:
-        """The plan of the batch extending each of the last step's contexts by one token,
-        in order, and the entries its rows grow, or ``None``: it is not that batch, or the
-        tree changed under it."""
-        if policy is not self.policy or not self.continues(contexts, parents, namespace):
+    ) -> tuple[BatchPlan, list[KVEntry], Sequence[tuple[int, ...]]] | None:
+        """The plan of the batch extending each of the last step's contexts by one token, in
+        any order, the entries its rows grow and the contexts they grow into (both in the
+        last step's order, the block's rows'), or ``None``: it is not that batch, or the tree
+        changed under it. Row ``i`` of the plan reads the output of the batch's context
+        that extends the last step's ``i``-th."""
+        if policy is not self.policy:
+            return None
+        order = self.order(contexts, parents, namespace)
+        if order is None:
             return None
         found = [ref() for ref in self._entries]
         if None in found:
@@ -700,12 +748,13 @@ class InPlaceStep:
         block, end = entries[0].block, self.end
         if not kv_tree.extend_in_place(entries, block, end, namespace):
             return None
+        grown = contexts if type(order) is range else [contexts[j] for j in order]
         levels_of: dict = {}
         rows = tuple(
-            planner.in_place_row(context, entry, ((i, 0),), levels_of)
-            for i, (context, entry) in enumerate(zip(contexts, entries))
+            planner.in_place_row(context, entry, ((j, 0),), levels_of)
+            for j, context, entry in zip(order, grown, entries)
         )
-        return BatchPlan((PassPlan(rows, end, 1, block),), len(contexts)), entries
+        return BatchPlan((PassPlan(rows, end, 1, block),), len(contexts)), entries, grown
 
 
 class AdapterSlots(Protocol):

@@ -23,7 +23,8 @@ Endpoints (all under ``/v1``):
   batch of particles behind one prompt carries the prompt once.
 * ``POST /v1/session``: ``{"client": str, "name": str, "nonce": bytes, "capacity_rows": int}``,
   a client's offer of a shared-memory slab of at most :data:`SLAB_BATCHES` times
-  ``max_rows`` rows (see :mod:`~genlm_backend.llm.remote.slab`) ->
+  ``max_rows`` rows, ``name`` a named segment's or ``memfd:PID:FD`` for a sealed one
+  (see :mod:`~genlm_backend.llm.remote.slab`) ->
   ``{"accepted": bool, "session": str, "reason": str, "channel": str}``. An accepted
   session's answer stays open (chunked, nothing more is sent): the server keeps the slab
   mapped until the client closes it (or dies), or the server shuts down. ``channel``
