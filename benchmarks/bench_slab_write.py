@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from genlm_backend.llm.remote.slab import HAS_SEALED, Slab, SlabWriter  # noqa: E402
+from genlm_backend.llm.remote.slab import HAS_SEALED, Slab, SlabWriter
 
 VOCAB = 49152
 

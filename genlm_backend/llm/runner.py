@@ -540,9 +540,10 @@ class PrefixCacheDriver:
         namespace: Hashable,
         in_order: bool,
     ) -> tuple[torch.Tensor, list[KVEntry | None]]:
-        """Run a step planned from the last one (:meth:`InPlaceStep.next_plan`): its rows
-        (in the batch's order; ``in_order``: the block's), and each row's entry once
-        committed (in the block's order, as ``entries`` and ``contexts``). Committed by growing ``entries`` a slot
+        """Run a step planned from the last one (:meth:`InPlaceStep.next_plan`): its rows, in
+        the batch's order (``in_order``: the batch is in the block's, which the pass runs),
+        and each row's entry once committed, in the block's order (as ``entries`` and
+        ``contexts``). Committed by growing ``entries`` a slot
         (:meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.grow_in_place`, which
         :meth:`~genlm_backend.cache.kv_tree.KVPrefixTree.extend_in_place` checked before the
         pass), without its placements, unless the executor wrote another block (a captured

@@ -46,7 +46,6 @@ through a mapping of their own, :meth:`Slab.lending_map`, held by them alone.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import re
@@ -58,6 +57,11 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: named slabs only
+    fcntl = None  # type: ignore[assignment]
+
 HEADER_BYTES = 64
 """Bytes before the first row (the nonce, padded): rows start 64-byte aligned."""
 NONCE_BYTES = 16
@@ -66,7 +70,10 @@ NAME_PREFIX = "genlm-serve-"
 SEALED_PREFIX = "memfd:"
 """A sealed slab's name in an offer: ``memfd:PID:FD``."""
 HAS_SEALED = (
-    hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
+    hasattr(os, "memfd_create")
+    and fcntl is not None
+    and hasattr(fcntl, "F_ADD_SEALS")
+    and os.path.isdir("/proc/self/fd")
 )
 """Whether this system makes sealed slabs (Linux)."""
 
@@ -142,9 +149,10 @@ class Slab:
             offered = f"{SEALED_PREFIX}{os.getpid()}:{fd}"
             return cls(offered, name, fd, mapping, capacity_rows, vocab_size, nonce)
         shm = SharedMemory(name=name, create=True, size=size)
-        fd = shm._fd  # type: ignore[attr-defined]  # SharedMemory's descriptor on POSIX
+        fd = getattr(shm, "_fd", -1)  # SharedMemory's descriptor on POSIX
         try:
-            _reserve_pages(fd, size)
+            if fd >= 0:
+                _reserve_pages(fd, size)
             _buffer(shm)[:NONCE_BYTES] = nonce
         except BaseException:
             shm.close()
