@@ -22,7 +22,9 @@ processes and minutes: ratios within a round are what to trust), ``--rounds`` ro
 ``ours-runner`` also reports its model time: the model's forward and the rows'
 log-softmax, timed inside the step (and the step's greedy draw, timed apart:
 not the runner's); the rest of the runner's step (lookup, plan, inputs,
-commit) is its host work. Each round reports the microseconds
+commit) is its host work. Its step is ``HFRunner.run`` and the draw: the
+requests are made before it (making them, and freeing the last step's, is
+the front's work, which ours pays). Each round reports the microseconds
 a request costs in ours beyond ours-runner (the front and the engine), and the
 runner's host work per step.
 * ``floor``: what an exact step cannot skip behind a T-token prompt: the
@@ -157,8 +159,9 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
     try:
         for _ in range(total):
             model_s[0] = 0.0
-            start = time.perf_counter()
+            # The front's work, not the runner's: ours pays it in ours - ours-runner.
             requests = [Request(None, c, p) for c, p in zip(contexts, parents)]
+            start = time.perf_counter()
             rows = runner.run(requests)
             drawn = time.perf_counter()
             chosen = rows.argmax(-1).tolist()

@@ -85,6 +85,29 @@ async def test_lock_step_particles_are_planned_from_their_last_step(tiny_llama, 
     assert spy.declined >= 1, "a block out of spare slots is planned afresh"
 
 
+async def test_a_new_blocks_next_step_is_planned_from_the_last_one(tiny_llama, monkeypatch):
+    """A step that wrote its one-token rows into a new block (a block out of spare slots, a
+    batch after resampling) leaves spare slots: the next step extends it in place, planned
+    from that step, rather than being looked up and planned again."""
+    model, tokenizer = tiny_llama
+    llm = AsyncTransformer(model, tokenizer, output_cache_bytes=0)
+    spy = PlanSpy(monkeypatch, llm.runner.driver)
+    rng = random.Random(3)
+    particles = [[rng.randrange(3000) for _ in range(n)] for n in (5, 8, 6)]
+    await asyncio.gather(*(llm.next_token_logprobs(p) for p in particles))
+    await steps(llm, particles, rng, 1)  # each row one token past its prompt: a new block
+    assert (spy.made, spy.declined) == (0, 0), "the prompts' pass is no particles' step"
+    await steps(llm, particles, rng, 1)
+    assert (spy.made, spy.declined) == (1, 0)
+    # Resampling: a copy of one particle replaces another, and their step needs a new block.
+    particles[2] = list(particles[0])
+    await steps(llm, particles, rng, 1)
+    assert spy.declined == 1
+    made = spy.made
+    await steps(llm, particles, rng, 2)
+    assert spy.made == made + 2, "the new block's next steps are planned from the last one"
+
+
 async def test_particles_requested_in_another_order_each_step_are_planned_from_their_last_step(
     tiny_llama, monkeypatch
 ):
@@ -165,7 +188,8 @@ async def test_a_tree_changed_between_steps_is_looked_up_again(tiny_llama, monke
 def tree_state(tree) -> tuple:
     """The tree as plain values: each entry in LRU order (its block by first appearance, its
     row and span, its parent's place, its trie depth), each block's row ends, and the
-    contexts kept by identity (their length and entry's place)."""
+    contexts kept by identity (their length and entry's place, ``None`` once the entry
+    left the tree)."""
     blocks: dict[int, int] = {}
     entries = list(tree._lru.values())
     place = {id(entry): i for i, entry in enumerate(entries)}
@@ -183,8 +207,10 @@ def tree_state(tree) -> tuple:
         for e in entries
     ]
     row_ends = sorted((blocks[id(b)], list(b.row_ends)) for b in tree._blocks.values())
+    # A context whose entry left the tree is not found by it, whether the entry is collected
+    # yet or not (that depends on when the cyclic collector last ran): both are None.
     latest = [
-        (len(e.context), ns, place.get(id(e))) if (e := ref()) is not None else None
+        (len(e.context), ns, place[id(e)]) if (e := ref()) is not None and id(e) in place else None
         for ns, ref in tree._latest.values()
     ]
     return state, row_ends, latest

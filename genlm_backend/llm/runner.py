@@ -668,15 +668,17 @@ class InPlaceStep:
 
     @staticmethod
     def may_follow(plan: BatchPlan, policy: LevelPolicy) -> bool:
-        """Whether ``plan`` is one pass in place whose rows give the batch's rows, one each (in
-        any order): a plan the next step can continue (levels at any offset: ``block_tokens``
-        unset)."""
+        """Whether ``plan`` is one pass of one token a row whose rows give the batch's rows, one
+        each (in any order): a plan the next step can continue (levels at any offset:
+        ``block_tokens`` unset). The pass may write in place or into a new block: a new
+        block of one-token rows has spare slots, which the next step extends in place
+        (:meth:`next_plan` checks the room), rather than being looked up and planned
+        again."""
         if len(plan.passes) != 1 or policy.block_tokens is not None:
             return False
         (pass_plan,) = plan.passes
         return (
-            pass_plan.extends is not None
-            and pass_plan.num_new == 1
+            pass_plan.num_new == 1
             and plan.num_outputs == len(pass_plan.rows)
             and all(len(row.reads) == 1 for row in pass_plan.rows)
         )
