@@ -236,6 +236,9 @@ def group_by_adapter(
     requests: Sequence[Request | ScoreRequest],
 ) -> dict[Adapter | None, list[int]]:
     """Positions of the requests of each adapter, adapters in order of first appearance."""
+    first = requests[0].adapter if requests else None
+    if all(request.adapter is first for request in requests):  # the usual batch: one adapter
+        return {first: list(range(len(requests)))}
     groups: dict[Adapter | None, list[int]] = {}
     for position, request in enumerate(requests):
         groups.setdefault(request.adapter, []).append(position)

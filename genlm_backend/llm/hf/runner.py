@@ -374,8 +374,14 @@ class TransformersExecutor:
 
 
 def _num_spare_slots(num_past: int) -> int:
-    """Room left in a one-token step's block for later steps: 1/4 of its length, at least 8."""
-    return max(8, num_past // 4)
+    """Room left in a one-token step's block for later steps: 1/4 of its length, at least 16.
+
+    A block out of room makes the particles' next step a new block: looked up,
+    planned, its own parts copied and committed, over three times the host
+    work of a step in place (BENCHMARKS.md). Behind a long prompt read as a
+    level the own parts are short, and the floor decides how often that comes.
+    """
+    return max(16, num_past // 4)
 
 
 def _read_positions(plan: PassPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
