@@ -109,6 +109,10 @@ def worker(args: argparse.Namespace) -> None:
     result["samples_digest"] = hash(tuple(map(tuple, samples)))
     print("result " + json.dumps(result), flush=True)
     llm.close()
+    # Exit once every worker has its result (the driver then closes stdin): a process with
+    # torch loaded takes a core for about half a second to exit, which would slow the
+    # steps of the workers still running.
+    sys.stdin.read()
 
 
 def local_lm(args: argparse.Namespace):
