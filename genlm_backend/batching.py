@@ -405,11 +405,14 @@ class CpuThreads:
     Each step's CPU time in the thread that computes it, over its wall time,
     says whether that thread had its core: close to one alone, well under one
     when other processes take the cores (its OpenMP team then spins on cores
-    they need). Below :attr:`SHARED` the steps go on one thread; on one
+    they need). After :attr:`SHARED_IN_A_ROW` judgements in a row below
+    :attr:`SHARED` the steps go on one thread: one slow step (a first forward
+    faulting its weights in, a collection) is no sign of another process, and
+    would otherwise halve the speed of the steps until the next try. On one
     thread that gets its core, they try the full count again after a number
-    of steps that doubles each time the try shows the cores still shared.
-    Short steps are judged together: their times add up until they span
-    :attr:`MIN_JUDGED_S`.
+    of steps that doubles each time the try shows the cores still shared (a
+    try ends at its first judgement below :attr:`SHARED`). Short steps are
+    judged together: their times add up until they span :attr:`MIN_JUDGED_S`.
 
     Args:
         max_threads: The count while the cores are free (``torch.get_num_threads()``
@@ -418,6 +421,7 @@ class CpuThreads:
     """
 
     SHARED = 0.75
+    SHARED_IN_A_ROW = 2
     FREE = 0.9
     MIN_JUDGED_S = 0.002
     FIRST_TRY_AFTER = 8
@@ -430,6 +434,7 @@ class CpuThreads:
         self._try_after = self.FIRST_TRY_AFTER
         self._num_free_steps = 0
         self._is_trying = False
+        self._num_shared = 0  # judgements in a row below SHARED on the full count
         self._pending_cpu_s = 0.0
         self._pending_wall_s = 0.0
 
@@ -463,12 +468,18 @@ class CpuThreads:
     def judge(self, share: float) -> None:
         """One step's CPU share: the next steps' thread count."""
         if self.num_threads > 1:
-            if share < self.SHARED:
+            if share >= self.SHARED:
+                self._num_shared = 0
                 if self._is_trying:
-                    self._try_after = min(2 * self._try_after, self.LAST_TRY_AFTER)
-                self.num_threads, self._num_free_steps, self._is_trying = 1, 0, False
-            elif self._is_trying:
-                self._try_after, self._is_trying = self.FIRST_TRY_AFTER, False
+                    self._try_after, self._is_trying = self.FIRST_TRY_AFTER, False
+                return
+            self._num_shared += 1
+            if self._is_trying:
+                self._try_after = min(2 * self._try_after, self.LAST_TRY_AFTER)
+            elif self._num_shared < self.SHARED_IN_A_ROW:
+                return
+            self.num_threads, self._num_free_steps, self._is_trying = 1, 0, False
+            self._num_shared = 0
             return
         self._num_free_steps = self._num_free_steps + 1 if share >= self.FREE else 0
         if self._num_free_steps >= self._try_after:

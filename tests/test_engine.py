@@ -483,6 +483,8 @@ def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
         threads.judge(0.98)
     assert threads.num_threads == 4
     threads.judge(0.4)  # another process took the cores
+    assert threads.num_threads == 4  # one slow step is no sign of it yet
+    threads.judge(0.4)
     assert threads.num_threads == 1
     for _ in range(CpuThreads.FIRST_TRY_AFTER - 1):
         threads.judge(1.0)
@@ -500,12 +502,26 @@ def test_cpu_threads_go_to_one_while_shared_and_try_again_later():
     assert threads.num_threads == 4
     threads.judge(0.95)  # the try holds: the next fall starts over
     threads.judge(0.1)
+    threads.judge(0.1)
+    assert threads.num_threads == 1
     for _ in range(CpuThreads.FIRST_TRY_AFTER):
         threads.judge(1.0)
     assert threads.num_threads == 4
     fixed = CpuThreads(4, adaptive=False)
     fixed.observe((4, 0.0, 0.0))
     assert fixed.num_threads == 4 and not CpuThreads(1).adaptive
+
+
+def test_one_slow_step_keeps_the_full_count():
+    """A first forward faulting its weights in, or a collection, makes one step slow; only
+    judgements of shared cores in a row put the steps on one thread."""
+    threads = CpuThreads(2)
+    for share in (0.98, 0.5, 0.97, 0.6, 0.99):
+        threads.judge(share)
+        assert threads.num_threads == 2
+    threads.judge(0.5)
+    threads.judge(0.7)
+    assert threads.num_threads == 1
 
 
 def test_short_steps_are_judged_together():
@@ -515,7 +531,10 @@ def test_short_steps_are_judged_together():
         threads.record(0.3 * short_s, short_s)
     assert threads.num_threads == 2  # three short steps span less than MIN_JUDGED_S
     threads.record(0.3 * short_s, short_s)
-    assert threads.num_threads == 1  # four do: their share (0.3) says the cores are shared
+    assert threads.num_threads == 2  # four do: their share (0.3), a first judgement of shared
+    for _ in range(4):
+        threads.record(0.3 * short_s, short_s)
+    assert threads.num_threads == 1  # the second in a row: the cores are shared
     for _ in range(4 * CpuThreads.FIRST_TRY_AFTER - 1):
         threads.record(short_s, short_s)
     assert threads.num_threads == 1
