@@ -431,6 +431,19 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def spare_slots(num_past: int) -> int:
+    """Slots a new block of one-token rows keeps free after its ``num_past + 1`` for the
+    next steps to write in place (:func:`extendable_block`): a quarter of its length, at
+    least 16.
+
+    A block out of room makes the particles' next step a new block: looked up,
+    planned, its own parts copied and committed, over three times the host
+    work of a step in place (BENCHMARKS.md). Behind a long prompt read as a
+    level the own parts are short, and the floor decides how often that comes.
+    """
+    return max(16, num_past // 4)
+
+
 def extendable_block(steps: Sequence[tuple[KVEntry | None, int]]) -> KVBlock | None:
     """The block a batch of one-token steps may write into in place, or ``None``.
 

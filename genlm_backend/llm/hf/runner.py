@@ -347,7 +347,7 @@ class TransformersExecutor:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         num_past, num_new = plan.num_past, plan.num_new
         # One-token steps get spare slots, so the next steps can write in place (see plan.extendable_block).
-        num_spare = _num_spare_slots(num_past) if num_new == 1 else 0
+        num_spare = planner.spare_slots(num_past) if num_new == 1 else 0
         # Slots are not positions (position ids are given): rows whose own pasts and new tokens
         # together pass the model's longest sequence still get every slot they need.
         num_slots = max(min(num_past + num_new + num_spare, self.max_positions), num_past + num_new)
@@ -371,17 +371,6 @@ class TransformersExecutor:
         if num_past + num_new < num_slots:
             slots[..., num_past + num_new :, :].zero_()
         return block
-
-
-def _num_spare_slots(num_past: int) -> int:
-    """Room left in a one-token step's block for later steps: 1/4 of its length, at least 16.
-
-    A block out of room makes the particles' next step a new block: looked up,
-    planned, its own parts copied and committed, over three times the host
-    work of a step in place (BENCHMARKS.md). Behind a long prompt read as a
-    level the own parts are short, and the floor decides how often that comes.
-    """
-    return max(16, num_past // 4)
 
 
 def _read_positions(plan: PassPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

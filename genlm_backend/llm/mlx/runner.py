@@ -115,7 +115,7 @@ class MlxExecutor:
         """A block of ``num_past + num_new`` slots (and spare ones) with each row's own past right-aligned at ``num_past``."""
         num_past, num_new = plan.num_past, plan.num_new
         # One-token steps get spare slots, so the next steps can write in place.
-        num_spare = max(8, num_past // 4) if num_new == 1 else 0
+        num_spare = planner.spare_slots(num_past) if num_new == 1 else 0
         num_slots = num_past + num_new + num_spare
         pinned = [entry for row in plan.rows for entry, _ in row.levels + row.own]
         self.kv_tree.reserve(self.layout.nbytes(len(plan.rows), num_slots), pinned=pinned)
