@@ -201,6 +201,28 @@ class Call(Generic[K]):
         return (key for key, value in zip(self.keys, self.values) if value is None)
 
 
+class OneCall(Generic[K]):
+    """One caller's one key (a particle's step), waiting for a step; its future's result is a
+    list of the key's value alone, which the caller empties (its future then holds no value)."""
+
+    __slots__ = ("future", "key", "queued_at")
+
+    num_missing = 1  # settled as soon as its value is known
+
+    def __init__(self, key: K, future: asyncio.Future, queued_at: float):
+        self.key = key
+        self.future = future
+        self.queued_at = queued_at
+
+    @property
+    def keys(self) -> tuple[K]:
+        return (self.key,)
+
+    def missing(self) -> Iterable[K]:
+        """The call's key (it waits only while its value is unknown)."""
+        return (self.key,)
+
+
 class WaitingCalls(Generic[K]):
     """The calls of one event loop waiting for a step, oldest first, and when to take them.
 
@@ -213,11 +235,11 @@ class WaitingCalls(Generic[K]):
 
     def __init__(self, config: BatchingConfig):
         self.config = config
-        self._calls: collections.deque[Call[K]] = collections.deque()
+        self._calls: collections.deque[Call[K] | OneCall[K]] = collections.deque()
         self._num_keys = 0
         self._arrived = asyncio.Event()
-        self._num_arrivals = 0
-        self.computing: list[Call[K]] = []
+        self._shared_keys = False  # whether the calls last taken wait for a key more than once
+        self.computing: list[Call[K] | OneCall[K]] = []
         """The calls a step is computing now (failed at once by :meth:`fail_all`)."""
         self._num_requests = self._num_deduplicated = self._num_cancelled = 0
         self._num_batches = self._num_batched_keys = self._num_failed = 0
@@ -227,10 +249,20 @@ class WaitingCalls(Generic[K]):
         call = Call(keys, loop.create_future(), time.monotonic())
         self._calls.append(call)
         self._num_keys += len(keys)
-        self._num_arrivals += 1
         self._num_requests += len(keys)
         self._arrived.set()
         return call
+
+    def add_one(self, key: K, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Queue one caller's one ``key`` at the back: :meth:`add` of ``(key,)``, in fewer steps
+        (a particle's call). The future's result is ``[value]``."""
+        call = OneCall(key, loop.create_future(), time.monotonic())
+        self._calls.append(call)
+        self._num_keys += 1
+        self._num_requests += 1
+        if not self._arrived.is_set():
+            self._arrived.set()
+        return call.future
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -252,17 +284,17 @@ class WaitingCalls(Generic[K]):
             if remaining_s <= 0:
                 return
             if config.flush_on_idle:
-                num_before = self._num_arrivals
+                num_before = self._num_requests  # counts every call's keys (at least one)
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)  # one full pass: every ready task has made its calls
-                if self._num_arrivals == num_before and self._calls:
+                if self._num_requests == num_before and self._calls:
                     return
                 continue
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining_s)
 
-    def take(self) -> list[Call[K]]:
+    def take(self) -> list[Call[K] | OneCall[K]]:
         """Every waiting call still awaited, oldest first (now :attr:`computing`)."""
         calls = [call for call in self._calls if not call.future.done()]
         self._num_cancelled += len(self._calls) - len(calls)
@@ -271,19 +303,22 @@ class WaitingCalls(Generic[K]):
         self.computing = calls
         return calls
 
-    def missing(self, calls: Sequence[Call[K]]) -> list[K]:
+    def missing(self, calls: Sequence[Call[K] | OneCall[K]]) -> list[K]:
         """The distinct keys ``calls`` still miss, in order of first appearance."""
-        if len(calls) == 1:
-            missing = list(calls[0].missing())
-        else:
-            missing = [key for call in calls for key in call.missing()]
+        missing: list[K] = []
+        for call in calls:
+            if type(call) is OneCall:
+                missing.append(call.key)
+            else:
+                missing.extend(call.missing())
         distinct = list(dict.fromkeys(missing))
         self._num_deduplicated += len(missing) - len(distinct)
+        self._shared_keys = len(distinct) < len(missing)
         return distinct
 
     def settle(
         self,
-        calls: Sequence[Call[K]],
+        calls: Sequence[Call[K] | OneCall[K]],
         found: dict,
         share: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -301,13 +336,13 @@ class WaitingCalls(Generic[K]):
         later = [] if self.config.rounds else list(self._calls)
         live = [call for call in [*calls, *later] if not call.future.done()]
         self._num_cancelled += sum(call.future.cancelled() for call in calls)
-        handed: set | None = set() if share is not None else None
-        waiting: list[Call[K]] = []
+        # Values go to more than one call only where calls share a key.
+        sharing = share is not None and (self._shared_keys or bool(later))
+        handed: set | None = set() if sharing else None
+        waiting: list[Call[K] | OneCall[K]] = []
         for call in live:
-            keys = call.keys
-            if len(keys) == 1 and call.num_missing == 1:  # a particle's call: the common case
-                (key,) = keys
-                value = found.get(key)
+            if type(call) is OneCall:  # a particle's call: the common case
+                value = found.get(call.key)
                 if value is None:
                     waiting.append(call)
                 elif isinstance(value, BaseException):
@@ -319,9 +354,7 @@ class WaitingCalls(Generic[K]):
                             value = share(value)  # type: ignore[misc]
                         else:
                             handed.add(id(value))
-                    call.values[0] = value
-                    call.num_missing = 0
-                    call.future.set_result(call.values)
+                    call.future.set_result([value])
                 continue
             error = _fill(call, found, handed, share)
             if error is not None:
@@ -567,6 +600,23 @@ class Batcher(Generic[K]):
         if state.task is None:
             state.task = loop.create_task(self._serve(state), name=self.name)
         return call.future
+
+    def submit_one(self, key: K) -> asyncio.Future:
+        """:meth:`submit` of ``(key,)`` (a particle's call, in fewer steps): the future's
+        result is ``[value]``, which the caller should empty (``.pop()``) once it holds the
+        value, as the loop keeps the future until its turn ends.
+
+        Raises:
+            RuntimeError: no running event loop.
+        """
+        loop = asyncio.get_running_loop()
+        state = self._loops.get(loop)
+        if state is None or state.error is not None:
+            state = self._state(loop)
+        future = state.calls.add_one(key, loop)
+        if state.task is None:
+            state.task = loop.create_task(self._serve(state), name=self.name)
+        return future
 
     def start(self) -> None:
         """Start the running loop's serve task now rather than at the first call.

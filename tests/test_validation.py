@@ -254,3 +254,54 @@ def test_validated_contexts_are_left_to_reference_counting():
     assert parent is not None and not gc.is_tracked(context)
     assert gc.is_tracked((object(),))  # the check above can fail: a fresh tuple is tracked
     assert len(long) >= kv_tree.UNTRACKED_LENGTH  # shorter ones are left to the collector
+
+
+def test_recent_contexts_hold_at_most_their_count():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None, max_contexts=8)
+    for start in range(40):
+        recent.validate([start % VOCAB_SIZE, 1, 2])
+    assert len(recent._by_hash) == 8 and recent._num_tokens == 8 * 3
+    _, parent, *_ = recent.validate([39 % VOCAB_SIZE, 1, 2, 3])  # the latest are kept
+    assert parent is not None
+    _, parent, *_ = recent.validate([0, 1, 2, 3])  # the oldest were forgotten
+    assert parent is None
+
+
+@pytest.mark.skipif(kv_tree._SAME_OBJECTS is None, reason="compares CPython's object layouts")
+def test_same_objects_tells_a_recent_contexts_own_tokens_from_equal_ones():
+    prefix = tuple(range(1000, 1300))
+    assert kv_tree.same_objects([*prefix, 5], prefix)
+    assert kv_tree.same_objects((*prefix, 5), prefix)
+    assert kv_tree.same_objects(list(prefix), prefix)
+    assert kv_tree.same_objects([], ()) and kv_tree.same_objects([1], ())
+    copied = [int(str(t)) for t in prefix]  # equal values, other objects
+    assert copied == list(prefix) and not kv_tree.same_objects(copied, prefix)
+    changed = [*prefix, 5]
+    changed[150] = 7
+    assert not kv_tree.same_objects(changed, prefix)
+    assert not kv_tree.same_objects(list(prefix[:-1]), prefix)  # shorter
+    assert not kv_tree.same_objects(np.array(prefix), prefix)  # neither a list nor a tuple
+
+
+def test_a_long_context_of_the_recent_ones_objects_or_of_equal_ones_is_checked_alike():
+    """Past ``SAME_OBJECTS_FROM`` tokens, a context whose elements are the recent context's own
+    objects is taken without a comparison of its tokens; one equal in value only, or changed
+    anywhere, is compared or checked in full: the answer is always the full check's."""
+    long = [1000 + i for i in range(kv_tree.SAME_OBJECTS_FROM + 40)]
+    vocab_size = 2000
+    recent = RecentContexts(vocab_size, max_context_length=None)
+    first, _, _ = recent.validate(long)
+    own = [*first, 7]
+    context, parent, hashed = recent.validate(own)
+    assert parent is first and context == tuple(own) and hashed == context_hash(context)
+    equal = [int(str(t)) for t in first] + [8]
+    context, parent, hashed = recent.validate(equal)
+    assert parent is first and context == tuple(equal) and hashed == context_hash(context)
+    changed = [*first, 9]
+    changed[3] = 4
+    context, parent, hashed = recent.validate(changed)
+    assert parent is None and context == tuple(changed) and hashed == context_hash(context)
+    bad = [*first, 9]
+    bad[3] = vocab_size
+    with pytest.raises(ValueError, match=r"token_ids\[3\]"):
+        recent.validate(bad)

@@ -190,8 +190,7 @@ class OutputCache:
             held = self._blocks.get(address)
             if held is not None and held[2] is not block:
                 # The memory of rows held is the runner's output again: those rows are stale.
-                for key in list(held[1]):
-                    self._drop(key, evicted=False)
+                self._drop_block(address)
             if not self._put_new_block(keys, address, nbytes, (block, version)):
                 for row, key in enumerate(keys):
                     self._store(key, address, row, nbytes, (block, version))
@@ -274,6 +273,19 @@ class OutputCache:
         if not held[1]:
             del self._blocks[address]
             self._bytes_held -= held[0]
+
+    def _drop_block(self, address: int) -> None:
+        """Forget every entry of the block held at ``address``, and the block (lock held):
+        :meth:`_drop` of each, in one pass."""
+        nbytes, keys, _, _ = self._blocks.pop(address)
+        self._bytes_held -= nbytes
+        entries, devices = self._entries, self._devices
+        for key in keys:
+            if entries.pop(key)[1] < 0:  # a tensor of its own at this address
+                del self._tensors[key]
+                self._versions.pop(key, None)
+            if devices:
+                devices.pop(key, None)
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
         value = self.get(key)

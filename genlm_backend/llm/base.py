@@ -23,8 +23,10 @@ from genlm_backend.batching import BatchingConfig, CpuThreads
 from genlm_backend.cache.kv_tree import (
     HASH_BLOCK,
     HASHED_TAIL,
+    SAME_OBJECTS_FROM,
     blocks_digest,
     context_hash,
+    same_objects,
     tail_hash,
     untracked,
 )
@@ -334,7 +336,7 @@ class AsyncLM:
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        values = await self.engine.results((self.request(token_ids, lora_name),))
+        values = await self.engine.result(self.request(token_ids, lora_name))
         return values.pop()  # the future keeps its list until the loop's turn ends: not the row
 
     async def batch_next_token_logprobs(
@@ -825,22 +827,35 @@ class RecentContexts:
     finds another: a whole hash a context, not a comparison with every
     other particle.
 
-    Holds at most ``max_tokens`` tokens of contexts (the least recently
-    validated are forgotten first); safe to use from several threads.
+    Holds at most ``max_tokens`` tokens of contexts and ``max_contexts``
+    contexts (the least recently validated are forgotten first); safe to use
+    from several threads. A particle extends a context of the last step (its
+    own, or its parent's after a resampling): a few steps' contexts serve it.
+    Holding more costs the cyclic garbage collector: each context held is two
+    objects that outlive the step, and until the oldest go, every step's
+    survivors count towards the next young collection (64 particles of short
+    contexts with no model work: a collection every 3 steps while held
+    without a count limit, one every 25 steps with 200 contexts held).
 
     Args:
         vocab_size: As :func:`validate_token_ids`'s.
         max_context_length: As :func:`validate_token_ids`'s.
         max_tokens: Most tokens of the contexts held (8 bytes each, shared with
             the requests that hold the same contexts).
+        max_contexts: Most contexts held.
     """
 
     def __init__(
-        self, vocab_size: int, max_context_length: int | None, max_tokens: int = 1 << 21
+        self,
+        vocab_size: int,
+        max_context_length: int | None,
+        max_tokens: int = 1 << 21,
+        max_contexts: int = 1 << 12,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
+        self.max_contexts = max_contexts
         # (context, its blocks_digest) by tail_hash (an int) and, for contexts whose place
         # another of their tail_hash took, by (hash(context),) (a 1-tuple; Python's hash of a
         # whole tuple: C speed). Oldest first; OrderedDict pops its oldest in O(1) (a dict's
@@ -864,12 +879,28 @@ class RecentContexts:
         if extended is None:
             context = validate_token_ids(token_ids, self.vocab_size, self.max_context_length)
             parent, digest = None, blocks_digest(context)
-        else:
-            context, parent, digest = extended
-            if not len(context) % HASH_BLOCK:  # a block completed: the digest takes it in
-                digest = hash((digest, context[-HASH_BLOCK:]))
-        self._remember(context, digest)
-        return context, parent, context_hash(context, digest)
+            self._remember(context, digest)
+            return context, parent, context_hash(context, digest)
+        # A particle's step, the common case: tail_hash, _remember and context_hash inline
+        # (the same values: tested), its call's largest share.
+        context, parent, digest = extended
+        length = len(context)
+        last_block = length - length % HASH_BLOCK
+        if last_block == length:  # a block completed: the digest takes it in
+            digest = hash((digest, context[-HASH_BLOCK:]))
+        key = hash((length, context[-HASHED_TAIL:]))
+        with self._lock:
+            held = self._by_hash
+            old = held.pop(key, None)
+            if old is not None:
+                self._num_tokens -= len(old[0])
+                if old[0] != context:  # another context of its tail: findable by its whole hash
+                    self._hold((hash(old[0]),), old)
+            held[key] = (context, digest)
+            self._num_tokens += length
+            if self._num_tokens > self.max_tokens or len(held) > self.max_contexts:
+                self._forget_oldest()
+        return context, parent, hash((length, digest, context[last_block:]))
 
     def _extend_recent(
         self, token_ids: TokenIds
@@ -895,14 +926,20 @@ class RecentContexts:
                 found = None
             if found is None and not self._num_wholes:
                 return None
-            whole = tuple(token_ids)
             if found is not None:
+                recent = found[0]
+                if length > SAME_OBJECTS_FROM and same_objects(token_ids, recent):
+                    # The recent context's own objects: equal, no token compared.
+                    return untracked(recent + (last,)), recent, found[1]
                 # Two copies and a comparison at C speed (identical elements compare by identity).
-                context = untracked(found[0] + (last,))
+                whole = tuple(token_ids)
+                context = untracked(recent + (last,))
                 if context == whole:
-                    return context, found[0], found[1]
+                    return context, recent, found[1]
                 if not self._num_wholes:
                     return None
+            else:
+                whole = tuple(token_ids)
             # Another context of its length and last tokens took its place: by its whole hash.
             found = held.get((hash(whole[:-1]),))
             if found is None or len(found[0]) != length - 1:
@@ -927,10 +964,18 @@ class RecentContexts:
                     self._hold((hash(old[0]),), old)
             held[key] = (context, digest)
             self._num_tokens += len(context)
-            while self._num_tokens > self.max_tokens and len(held) > 1:
-                dropped_key, dropped = held.popitem(last=False)
-                self._num_tokens -= len(dropped[0])
-                self._num_wholes -= type(dropped_key) is tuple
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Forget the least recently validated contexts until at most ``max_tokens`` tokens
+        and ``max_contexts`` contexts are held (the newest always is; lock held)."""
+        held = self._by_hash
+        while (self._num_tokens > self.max_tokens or len(held) > self.max_contexts) and len(
+            held
+        ) > 1:
+            dropped_key, dropped = held.popitem(last=False)
+            self._num_tokens -= len(dropped[0])
+            self._num_wholes -= type(dropped_key) is tuple
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
         """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""

@@ -161,6 +161,12 @@ class Engine:
             raise BackendClosedError(f"this {self._owner} is closed")
         return self.batcher.submit(requests)
 
+    def result(self, request: Key) -> asyncio.Future[list[torch.Tensor]]:
+        """:meth:`results` of one request (a particle's call, in fewer steps)."""
+        if self.is_closed:
+            raise BackendClosedError(f"this {self._owner} is closed")
+        return self.batcher.submit_one(request)
+
     def results_now(self, requests: Sequence[Key]) -> list[torch.Tensor]:
         """:meth:`results`, computed in the calling thread: cached rows, then steps within the budget."""
         todo = list(dict.fromkeys(requests))

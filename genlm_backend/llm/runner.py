@@ -57,7 +57,8 @@ class Adapter:
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Immutable. Hashed once, from the adapter and the whole context
+    Not to be changed once made (plain slots, with no guard: a particle's call
+    makes one at every step, and a guarded one took twice as long). Hashed once, from the adapter and the whole context
     (:func:`~genlm_backend.cache.kv_tree.context_hash`, which the front
     computes from the context's parent's in a slice's time): a request is a
     key of the batcher and the output cache at every step, and Python's hash
@@ -85,19 +86,15 @@ class Request:
         hashed: int | None = None,
     ):
         """``hashed``: ``context_hash(context)``, when the caller has it already."""
-        _set(self, "adapter", adapter)
-        _set(self, "context", context)
-        _set(self, "parent", parent)
-        _set(self, "_hash", None if hashed is None else hash((adapter, hashed)))
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"a Request is immutable: cannot set {name!r}")
+        self.adapter = adapter
+        self.context = context
+        self.parent = parent
+        self._hash = None if hashed is None else hash((adapter, hashed))
 
     def __hash__(self) -> int:
         hashed = self._hash
         if hashed is None:
-            hashed = hash((self.adapter, context_hash(self.context)))
-            _set(self, "_hash", hashed)
+            hashed = self._hash = hash((self.adapter, context_hash(self.context)))
         return hashed
 
     def __eq__(self, other: object) -> bool:
@@ -113,9 +110,6 @@ class Request:
     def __reduce__(self):
         # Rebuilt, not copied: the hash of an adapter's name differs between processes.
         return type(self), (self.adapter, self.context)
-
-
-_set = object.__setattr__
 
 
 @dataclass(frozen=True)
