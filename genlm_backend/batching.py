@@ -341,7 +341,7 @@ class WaitingCalls(Generic[K]):
         handed: set | None = set() if sharing else None
         waiting: list[Call[K] | OneCall[K]] = []
         for call in live:
-            if type(call) is OneCall:  # a particle's call: the common case
+            if isinstance(call, OneCall):  # a particle's call: the common case
                 value = found.get(call.key)
                 if value is None:
                     waiting.append(call)

@@ -176,9 +176,11 @@ def _same_objects_function() -> (
     tuple_items = tuple.__basicsize__  # PyTupleObject: its head, then the item pointers
     list_items = 3 * size  # PyListObject: PyObject_VAR_HEAD, then a pointer to the items
     probe = [object(), object()]
+    probe_items = pointer(id(probe) + list_items).value
     if (
         tuple.__itemsize__ != size
-        or pointer(pointer(id(probe) + list_items).value).value != id(probe[0])
+        or probe_items is None
+        or pointer(probe_items).value != id(probe[0])
         or pointer(id(tuple(probe)) + tuple_items + size).value != id(probe[1])
     ):
         return None
