@@ -55,3 +55,18 @@ def test_a_fresh_steps_rows_enter_at_once():
     cache.put_rows(["c", "d"], again.unbind(0), again)  # "c" held: row by row
     assert taken == [True, False]
     assert torch.equal(cache.get("c"), again[0]) and torch.equal(cache.get("a"), block[0])
+
+
+def test_making_room_for_bytes_takes_the_oldest_rows_block_whole():
+    """A block's bytes go only with its last row: the least recently used row goes with the
+    rest of its block, and no row of another block is dropped for nothing."""
+    rows = 2
+    cache = OutputCache(2 * rows * WIDTH * 4, keep_views=True)  # two blocks
+    first, second, third = (torch.full((rows, WIDTH), float(i)) for i in range(3))
+    cache.put_rows(["a1", "a2"], first.unbind(0), first)
+    cache.put_rows(["b1", "b2"], second.unbind(0), second)
+    assert torch.equal(cache.get("a1"), first[0])  # a1 used last; a2 is the oldest row
+    cache.put_rows(["c1", "c2"], third.unbind(0), third)
+    assert list(cache._entries) == ["b1", "b2", "c1", "c2"]
+    assert cache.stats.num_evictions == 2 and cache.stats.bytes_held == cache.budget_bytes
+    assert torch.equal(cache.get("b2"), second[1]) and torch.equal(cache.get("c1"), third[0])

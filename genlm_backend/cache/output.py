@@ -37,7 +37,10 @@ class OutputCache:
       counted once while any of its rows is held: a batch's rows cost no copy
       (:meth:`put_rows` keeps the block and each row's index, and makes a row's
       view when it is asked for). The block is freed, and its bytes leave the
-      count, when its last row is evicted. A block larger than the budget is
+      count, when its last row is evicted: making room for bytes, the least
+      recently used row goes with the rest of its block (dropping rows one by
+      one would drop rows of several blocks and free nothing until a block's
+      last). A block larger than the budget is
       never held (its rows are copied). The block's other holders may write to
       it: a row is dropped, as if never stored, once its block's version
       counter has moved (any in-place torch operation on the block or a view
@@ -211,11 +214,13 @@ class OutputCache:
             return False
         if address in self._blocks or not entries.keys().isdisjoint(unique):
             return False
-        while entries and (
-            self._bytes_held + nbytes > self.budget_bytes
-            or (maxsize is not None and len(entries) + len(keys) > maxsize)
-        ):
-            self._drop(next(iter(entries)), evicted=True)
+        while entries:
+            if self._bytes_held + nbytes > self.budget_bytes:
+                self._evict_oldest(whole_block=True)
+            elif maxsize is not None and len(entries) + len(keys) > maxsize:
+                self._evict_oldest(whole_block=False)
+            else:
+                break
         self._blocks[address] = [nbytes, unique, *block]
         self._bytes_held += nbytes
         entries.update(zip(keys, zip(itertools.repeat(address), range(len(keys)))))
@@ -242,11 +247,13 @@ class OutputCache:
         self._drop(key, evicted=False)
         held = self._blocks.get(address)
         size = 0 if held is not None else nbytes
-        while self._entries and (
-            self._bytes_held + size > self.budget_bytes
-            or (self.maxsize is not None and len(self._entries) >= self.maxsize)
-        ):
-            self._drop(next(iter(self._entries)), evicted=True)
+        while self._entries:
+            if self._bytes_held + size > self.budget_bytes:
+                self._evict_oldest(whole_block=True)
+            elif self.maxsize is not None and len(self._entries) >= self.maxsize:
+                self._evict_oldest(whole_block=False)
+            else:
+                break
             held = self._blocks.get(address)  # the eviction may have freed this very block
             size = 0 if held is not None else nbytes
         if held is None:
@@ -273,6 +280,17 @@ class OutputCache:
         if not held[1]:
             del self._blocks[address]
             self._bytes_held -= held[0]
+
+    def _evict_oldest(self, whole_block: bool) -> None:
+        """Evict the least recently used entry; with ``whole_block``, a row goes with the rest
+        of its block, whose bytes go only with its last row (lock held)."""
+        key = next(iter(self._entries))
+        address, row = self._entries[key]
+        if whole_block and row >= 0:
+            self._num_evictions += len(self._blocks[address][1])
+            self._drop_block(address)
+        else:
+            self._drop(key, evicted=True)
 
     def _drop_block(self, address: int) -> None:
         """Forget every entry of the block held at ``address``, and the block (lock held):
