@@ -89,12 +89,17 @@ class Request:
         self.adapter = adapter
         self.context = context
         self.parent = parent
-        self._hash = None if hashed is None else hash((adapter, hashed))
+        if hashed is not None and adapter is not None:
+            hashed = hash((adapter, hashed))
+        self._hash = hashed  # under the base model, the context_hash itself
 
     def __hash__(self) -> int:
         hashed = self._hash
         if hashed is None:
-            hashed = self._hash = hash((self.adapter, context_hash(self.context)))
+            hashed = context_hash(self.context)
+            if self.adapter is not None:
+                hashed = hash((self.adapter, hashed))
+            self._hash = hashed
         return hashed
 
     def __eq__(self, other: object) -> bool:
