@@ -4,7 +4,7 @@ behind one :class:`~genlm_backend.batching.Batcher`.
 One request's path, each arrow a named call::
 
     AsyncLM.next_token_logprobs(ids)        validate -> Request
-      -> Engine.results([request])          wait in this loop's queue (Batcher.wait)
+      -> Engine.result(request)             wait in this loop's queue (Batcher.submit_one)
       -> Batcher._serve (a task per loop)   until_flush -> take -> Engine.step -> settle
       -> Engine.step                        the output cache, then within the budget:
                                             runner.run / runner.score -> output cache
