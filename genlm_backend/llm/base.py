@@ -926,20 +926,19 @@ class RecentContexts:
                 found = None
             if found is None and not self._num_wholes:
                 return None
+            whole = tuple(token_ids)  # one copy, at C speed: no other thread changes it now
             if found is not None:
                 recent = found[0]
-                if length > SAME_OBJECTS_FROM and same_objects(token_ids, recent):
+                if length > SAME_OBJECTS_FROM and same_objects(whole, recent):
                     # The recent context's own objects: equal, no token compared.
-                    return untracked(recent + (last,)), recent, found[1]
-                # Two copies and a comparison at C speed (identical elements compare by identity).
-                whole = tuple(token_ids)
+                    return untracked(whole), recent, found[1]
+                # A second copy and a comparison at C speed (identical elements compare by
+                # identity): the context is the recent one's plain ints.
                 context = untracked(recent + (last,))
                 if context == whole:
                     return context, recent, found[1]
                 if not self._num_wholes:
                     return None
-            else:
-                whole = tuple(token_ids)
             # Another context of its length and last tokens took its place: by its whole hash.
             found = held.get((hash(whole[:-1]),))
             if found is None or len(found[0]) != length - 1:
