@@ -593,13 +593,7 @@ class Batcher(Generic[K]):
             RuntimeError: no running event loop.
         """
         loop = asyncio.get_running_loop()
-        state = self._loops.get(loop)
-        if state is None or state.error is not None:
-            state = self._state(loop)
-        call = state.calls.add(keys, loop)
-        if state.task is None:
-            state.task = loop.create_task(self._serve(state), name=self.name)
-        return call.future
+        return self._served_calls(loop).add(keys, loop).future
 
     def submit_one(self, key: K) -> asyncio.Future:
         """:meth:`submit` of ``(key,)`` (a particle's call, in fewer steps): the future's
@@ -610,13 +604,17 @@ class Batcher(Generic[K]):
             RuntimeError: no running event loop.
         """
         loop = asyncio.get_running_loop()
+        return self._served_calls(loop).add_one(key, loop)
+
+    def _served_calls(self, loop: asyncio.AbstractEventLoop) -> WaitingCalls:
+        """The loop's waiting calls, its serve task started (it first runs when the caller
+        yields, after the caller's call is queued)."""
         state = self._loops.get(loop)
         if state is None or state.error is not None:
             state = self._state(loop)
-        future = state.calls.add_one(key, loop)
         if state.task is None:
             state.task = loop.create_task(self._serve(state), name=self.name)
-        return future
+        return state.calls
 
     def start(self) -> None:
         """Start the running loop's serve task now rather than at the first call.

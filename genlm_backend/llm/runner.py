@@ -57,8 +57,9 @@ class Adapter:
 class Request:
     """One next-token request: a context, run under ``adapter`` (``None``: the base model).
 
-    Not to be changed once made (plain slots, with no guard: a particle's call
-    makes one at every step, and a guarded one took twice as long). Hashed once, from the adapter and the whole context
+    Not to be changed once made (plain slots, with no guard: a particle's
+    call makes one at every step, and a guarded one took twice as long).
+    Hashed once, from the adapter and the whole context
     (:func:`~genlm_backend.cache.kv_tree.context_hash`, which the front
     computes from the context's parent's in a slice's time): a request is a
     key of the batcher and the output cache at every step, and Python's hash
