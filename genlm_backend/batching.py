@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -333,28 +334,31 @@ class WaitingCalls(Generic[K]):
         ``__hash__`` may be Python code, called per lookup).
         """
         self.computing = []
-        later = [] if self.config.rounds else list(self._calls)
-        live = [call for call in [*calls, *later] if not call.future.done()]
-        self._num_cancelled += sum(call.future.cancelled() for call in calls)
+        later = () if self.config.rounds else self._calls
         # Values go to more than one call only where calls share a key.
         sharing = share is not None and (self._shared_keys or bool(later))
         handed: set | None = set() if sharing else None
         waiting: list[Call[K] | OneCall[K]] = []
-        for call in live:
+        num_cancelled = 0
+        for call in itertools.chain(calls, later):
+            future = call.future
+            if future.done():  # cancelled while it waited
+                num_cancelled += future.cancelled()
+                continue
             if isinstance(call, OneCall):  # a particle's call: the common case
                 value = found.get(call.key)
                 if value is None:
                     waiting.append(call)
                 elif isinstance(value, BaseException):
-                    call.future.set_exception(value)
-                    call.future.exception()  # retrieved: its caller may be gone
+                    future.set_exception(value)
+                    future.exception()  # retrieved: its caller may be gone
                 else:
                     if handed is not None:
                         if id(value) in handed:
                             value = share(value)  # type: ignore[misc]
                         else:
                             handed.add(id(value))
-                    call.future.set_result([value])
+                    future.set_result([value])
                 continue
             error = _fill(call, found, handed, share)
             if error is not None:
@@ -364,6 +368,7 @@ class WaitingCalls(Generic[K]):
                 call.future.set_result(call.values)
             else:
                 waiting.append(call)
+        self._num_cancelled += num_cancelled
         if self.config.rounds:  # the calls made meanwhile wait for their round
             self._calls.extendleft(reversed(waiting))  # none: a round computes all its calls miss
             self._num_keys += sum(call.num_missing for call in waiting)
@@ -604,7 +609,10 @@ class Batcher(Generic[K]):
             RuntimeError: no running event loop.
         """
         loop = asyncio.get_running_loop()
-        return self._served_calls(loop).add_one(key, loop)
+        state = self._loops.get(loop)
+        if state is None or state.task is None or state.error is not None:
+            return self._served_calls(loop).add_one(key, loop)
+        return state.calls.add_one(key, loop)  # the loop's served calls, at once
 
     def _served_calls(self, loop: asyncio.AbstractEventLoop) -> WaitingCalls:
         """The loop's waiting calls, its serve task started (it first runs when the caller

@@ -365,6 +365,23 @@ async def test_a_caller_cancelled_while_its_step_computes_leaves_the_others_thei
     await llm.aclose()
 
 
+async def test_a_call_made_and_cancelled_while_a_step_computes_is_counted_as_cancelled():
+    llm = make_llm()
+    llm.engine.compute_in_loop = False
+    recording = Recording(llm)
+    recording.block()
+    kept = asyncio.ensure_future(llm.next_token_logprobs([2, 3]))
+    await bounded(recording.started)
+    doomed = asyncio.ensure_future(llm.next_token_logprobs([2, 4]))
+    await asyncio.sleep(0)  # the call is made (ordering only)
+    doomed.cancel()
+    recording.gate.set()
+    check_rows([await bounded(kept)], [(2, 3)])
+    assert doomed.cancelled() and llm.batcher_stats.num_cancelled == 1
+    assert recording.batches == [[(2, 3)]]  # the cancelled call's context is never computed
+    await llm.aclose()
+
+
 # ---------------------------------------------------------------- failures
 
 

@@ -108,17 +108,19 @@ class OutputCache:
         values: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             entries = self._entries
-            for i, key in enumerate(keys):
-                entry = entries.get(key)
-                if entry is None:
-                    continue
-                value = self._value(key, entry)
-                if value is None:
-                    self._drop(key, evicted=False)  # its block was written to since
-                    continue
-                entries.move_to_end(key)
-                values[i] = value
-            num_hits = sum(value is not None for value in values)
+            held = list(map(entries.get, keys))  # entries are tuples: true
+            num_hits = 0
+            if any(held):  # else a step's new contexts: no key is looked at again
+                for i, (key, entry) in enumerate(zip(keys, held)):
+                    if entry is None:
+                        continue
+                    value = self._value(key, entry)
+                    if value is None:
+                        self._drop(key, evicted=False)  # its block was written to since
+                        continue
+                    entries.move_to_end(key)
+                    values[i] = value
+                    num_hits += 1
             self._num_hits += num_hits
             if count_misses:
                 self._num_misses += len(values) - num_hits

@@ -24,6 +24,7 @@ from genlm_backend.cache.kv_tree import (
     HASH_BLOCK,
     HASHED_TAIL,
     SAME_OBJECTS_FROM,
+    UNTRACKED_LENGTH,
     blocks_digest,
     same_objects,
     untracked,
@@ -898,7 +899,7 @@ class RecentContexts:
                     self._hold((hash(old[0]),), old)
             held[key] = (context, digest)
             self._num_tokens += length
-            if self._num_tokens > self.max_tokens or len(held) > self.max_contexts:
+            if len(held) > self.max_contexts or self._num_tokens > self.max_tokens:
                 self._forget_oldest()
         return context, parent, hash((length, digest, context[last_block:]))
 
@@ -934,8 +935,10 @@ class RecentContexts:
                     return untracked(whole), recent, found[1]
                 # A second copy and a comparison at C speed (identical elements compare by
                 # identity): the context is the recent one's plain ints.
-                context = untracked(recent + (last,))
+                context = recent + (last,)
                 if context == whole:
+                    if length >= UNTRACKED_LENGTH:  # else a call costs more than it saves
+                        untracked(context)
                     return context, recent, found[1]
                 if not self._num_wholes:
                     return None
@@ -954,12 +957,13 @@ class RecentContexts:
         """Forget the least recently validated contexts until at most ``max_tokens`` tokens
         and ``max_contexts`` contexts are held (the newest always is; lock held)."""
         held = self._by_hash
-        while (self._num_tokens > self.max_tokens or len(held) > self.max_contexts) and len(
-            held
-        ) > 1:
-            dropped_key, dropped = held.popitem(last=False)
-            self._num_tokens -= len(dropped[0])
-            self._num_wholes -= type(dropped_key) is tuple
+        while len(held) > 1 and (
+            len(held) > self.max_contexts or self._num_tokens > self.max_tokens
+        ):
+            dropped_key, (dropped, _) = held.popitem(last=False)
+            self._num_tokens -= len(dropped)
+            if type(dropped_key) is tuple:
+                self._num_wholes -= 1
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
         """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""

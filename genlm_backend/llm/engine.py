@@ -38,6 +38,7 @@ differ from those of the same row computed with the other count.
 from __future__ import annotations
 
 import asyncio
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -139,9 +140,7 @@ class Engine:
         """Count an accepted call's requests (validated, about to be looked up or computed)."""
         counts = self.counts
         counts["requests"] += len(requests)
-        counts["tokens_requested"] += sum(
-            len(r.context) + len(getattr(r, "continuation", ())) for r in requests
-        )
+        counts["tokens_requested"] += _num_text_tokens(requests)
 
     def results(self, requests: Sequence[Key]) -> asyncio.Future[list[torch.Tensor]]:
         """A future of each request's value: a row ``float32 [V]`` for a :class:`Request`, scores
@@ -267,10 +266,13 @@ class Engine:
         cache = self.output_cache
         if not len(cache):
             return {}
-        rows = [r for r in todo if type(r) is Request]
-        hits = [(r, row) for r, row in zip(rows, cache.get_many(rows)) if row is not None]
-        if not hits:
+        rows = todo
+        if set(map(type, todo)) != {Request}:
+            rows = [r for r in todo if type(r) is Request]
+        held = cache.get_many(rows)
+        if all(row is None for row in held):  # a step's new contexts: the common case
             return {}
+        hits = [(r, row) for r, row in zip(rows, held) if row is not None]
         self.counts["cache_hits"] += len(hits)
         keys, values = zip(*hits)
         return dict(zip(keys, fresh_block(values).unbind(0)))
@@ -283,7 +285,7 @@ class Engine:
         # A request costs at most its whole text (Runner.request_tokens): when the texts fit,
         # so do the costs, and none is looked up (a KV tree lookup per request).
         fits_count = config.max_batch_size is None or len(todo) <= config.max_batch_size
-        if fits_count and sum(map(_text_tokens, todo)) <= config.max_batch_tokens:
+        if fits_count and _num_text_tokens(todo) <= config.max_batch_tokens:
             return todo
         costs = (self.runner.request_tokens(_as_request(r)) for r in todo)
         return todo[: config.next_batch_length(costs)]
@@ -291,7 +293,7 @@ class Engine:
     def _stale(self, todo: list[Key]) -> dict:
         """``{request: the ValueError its caller gets}`` for the requests whose adapter was
         removed or re-registered since their call: they are not computed."""
-        if all(r.adapter is None for r in todo):  # the base model is always current
+        if not any(map(_ADAPTER, todo)):  # the base model (None) is always current
             return {}
         is_current = self.adapters.is_current
         return {r: _replaced_adapter_error(r) for r in todo if not is_current(r.adapter)}
@@ -419,11 +421,15 @@ def fresh_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack(list(rows))
 
 
-def _text_tokens(request: Key) -> int:
-    """The tokens of a request's whole text (a score request's context and continuation)."""
-    if type(request) is ScoreRequest:
-        return len(request.context) + len(request.continuation)
-    return len(request.context)
+_ADAPTER = operator.attrgetter("adapter")
+_CONTEXT = operator.attrgetter("context")
+_CONTINUATION = operator.attrgetter("continuation")  # a Request's is empty
+
+
+def _num_text_tokens(requests: Sequence[Key]) -> int:
+    """The tokens of the requests' whole texts (a score request's context and continuation),
+    summed at C speed (a Python function per request cost a step 70 ns a request)."""
+    return sum(map(len, map(_CONTEXT, requests))) + sum(map(len, map(_CONTINUATION, requests)))
 
 
 def _as_request(request: Key) -> Request:

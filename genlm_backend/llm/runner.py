@@ -77,6 +77,9 @@ class Request:
     context: tuple[int, ...]
     parent: tuple[int, ...] | None
     _hash: int | None
+    continuation: tuple[()] = ()
+    """None: the text a request reads is its context (as a :class:`ScoreRequest`'s is its
+    context and continuation)."""
 
     def __init__(
         self,
