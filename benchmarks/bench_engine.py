@@ -13,6 +13,11 @@ processes and minutes: ratios within a round are what to trust), ``--rounds`` ro
 * ``loop``: a plain batched decode loop (transformers ``DynamicCache``, the
   prompt's keys/values copied into every row, one forward pass of P tokens
   per step, one batched ``argmax``): the model alone.
+* ``loop-rows``: the same loop, each row drawn on its own as a particle
+  draws it (``--draw``), one after another: the loop with the particles'
+  draw, whose cost per row a batched ``argmax`` hides (a torch ``argmax``
+  over one row runs in one thread; the batched one splits the rows over the
+  threads).
 * ``ours-runner``: ``HFRunner.run`` called with the step's requests, one
   batched ``argmax``: the runner's own work (planning, the KV tree, the
   forward pass) without the engine.
@@ -62,7 +67,7 @@ from bench_long_prompt import (  # noqa: E402
     token_draws,
 )
 
-VARIANTS = ("loop", "ours-runner", "ours")
+VARIANTS = ("loop", "loop-rows", "ours-runner", "ours")
 DRAWS = ("numpy", "torch")
 """Run one by one; the floor is computed from the loop's step and the prompt's attention."""
 WORKLOADS = ("64x32@64", "64x32@4096")
@@ -101,6 +106,8 @@ def run_variant(model, variant: str, workload: str, draw: str = "numpy") -> floa
     firsts = [o[0] for o in own]
     if variant == "ours":
         return _ours(model, prompt, firsts, NUM_WARM_UP_STEPS + steps, draw)
+    if variant == "loop-rows":
+        return _loop(model, prompt, firsts, NUM_WARM_UP_STEPS + steps, draw)
     run = {"loop": _loop, "ours-runner": _runner}[variant]
     return run(model, prompt, firsts, NUM_WARM_UP_STEPS + steps)
 
@@ -109,7 +116,8 @@ def _mean_timed(times: list[float]) -> float:
     return statistics.fmean(times[NUM_WARM_UP_STEPS:])
 
 
-def _loop(model, prompt, firsts, total) -> float:
+def _loop(model, prompt, firsts, total, draw: str | None = None) -> float:
+    """The plain loop's mean step; with ``draw``, each row drawn on its own as a particle does."""
     import torch
     from transformers import DynamicCache
 
@@ -122,7 +130,12 @@ def _loop(model, prompt, firsts, total) -> float:
         for _ in range(total):
             start = time.perf_counter()
             logits = model(tokens, past_key_values=cache, use_cache=True).logits[:, -1]
-            tokens = torch.log_softmax(logits.float(), -1).argmax(-1, keepdim=True)
+            rows = torch.log_softmax(logits.float(), -1)
+            if draw is None:
+                tokens = rows.argmax(-1, keepdim=True)
+            else:
+                vocab = model.config.vocab_size
+                tokens = torch.tensor([[_draw(row, draw, vocab)] for row in rows])
             times.append(time.perf_counter() - start)
     return _mean_timed(times)
 
@@ -178,6 +191,13 @@ def _runner(model, prompt, firsts, total) -> tuple[float, float]:
     return _mean_timed(times), _mean_timed(model_times)
 
 
+def _draw(row, draw: str, vocab: int | None = None) -> int:
+    """A particle's next token from its row: ``int(row[:vocab].argmax())`` (torch) or numpy's."""
+    if draw == "torch":
+        return int(row[:vocab].argmax())
+    return int(row.numpy().argmax())
+
+
 def _ours(model, prompt, firsts, total, draw: str) -> float:
     import asyncio
 
@@ -192,10 +212,7 @@ def _ours(model, prompt, firsts, total, draw: str) -> float:
         vocab = llm.vocab_size
         for step in range(total):
             row = await llm.next_token_logprobs(context)
-            if draw == "torch":
-                context.append(int(row[:vocab].argmax()))
-            else:
-                context.append(int(row.numpy().argmax()))
+            context.append(_draw(row, draw, vocab))
             if len(step_ends) <= step:
                 step_ends.append(0.0)
             step_ends[step] = time.perf_counter()  # the last particle's end ends the step
@@ -291,10 +308,10 @@ def report(results: list[dict], workloads: list[str], variants: list[str]) -> No
     first = workloads[0]
     print(f"\n{len(rounds)} rounds; each ratio is the median of the rounds' ratios (their range)")
     print(
-        "| workload | variant | step (ms, median) | vs floor | vs loop | vs ours-runner "
-        f"| vs its step at {first} |"
+        "| workload | variant | step (ms, median) | vs floor | vs loop | vs loop-rows "
+        f"| vs ours-runner | vs its step at {first} |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for workload in workloads:
         for variant in variants:
             ms = 1e3 * statistics.median(step[k, workload, variant] for k in rounds)
@@ -302,6 +319,7 @@ def report(results: list[dict], workloads: list[str], variants: list[str]) -> No
                 f"| {workload} | {variant} | {ms:.2f} "
                 f"| {median_ratio(workload, variant, workload, 'floor')} "
                 f"| {median_ratio(workload, variant, workload, 'loop')} "
+                f"| {median_ratio(workload, variant, workload, 'loop-rows')} "
                 f"| {median_ratio(workload, variant, workload, 'ours-runner')} "
                 f"| {median_ratio(workload, variant, first, variant)} |"
             )
