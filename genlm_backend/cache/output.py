@@ -108,9 +108,9 @@ class OutputCache:
         values: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             entries = self._entries
-            held = list(map(entries.get, keys))  # entries are tuples: true
+            held = list(map(entries.get, keys))  # an entry is a pair: true when found
             num_hits = 0
-            if any(held):  # else a step's new contexts: no key is looked at again
+            if any(held):  # else (a step's new contexts) no key is looked at again
                 for i, (key, entry) in enumerate(zip(keys, held)):
                     if entry is None:
                         continue

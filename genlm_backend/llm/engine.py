@@ -266,7 +266,7 @@ class Engine:
         cache = self.output_cache
         if not len(cache):
             return {}
-        rows = todo
+        rows = todo  # the output cache holds rows only: score requests are not looked up
         if set(map(type, todo)) != {Request}:
             rows = [r for r in todo if type(r) is Request]
         held = cache.get_many(rows)

@@ -78,8 +78,8 @@ class Request:
     parent: tuple[int, ...] | None
     _hash: int | None
     continuation: tuple[()] = ()
-    """None: the text a request reads is its context (as a :class:`ScoreRequest`'s is its
-    context and continuation)."""
+    """Empty: a request reads its context alone (a :class:`ScoreRequest` reads its context
+    and its continuation), so the two count their tokens alike."""
 
     def __init__(
         self,
