@@ -334,7 +334,7 @@ class WaitingCalls(Generic[K]):
         ``__hash__`` may be Python code, called per lookup).
         """
         self.computing = []
-        later = () if self.config.rounds else self._calls
+        later = [] if self.config.rounds else list(self._calls)
         # Values go to more than one call only where calls share a key.
         sharing = share is not None and (self._shared_keys or bool(later))
         handed: set | None = set() if sharing else None
