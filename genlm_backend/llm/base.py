@@ -24,7 +24,6 @@ from genlm_backend.cache.kv_tree import (
     HASH_BLOCK,
     HASHED_TAIL,
     SAME_OBJECTS_FROM,
-    UNTRACKED_LENGTH,
     blocks_digest,
     same_objects,
     untracked,
@@ -935,10 +934,8 @@ class RecentContexts:
                     return untracked(whole), recent, found[1]
                 # A second copy and a comparison at C speed (identical elements compare by
                 # identity): the context is the recent one's plain ints.
-                context = recent + (last,)
+                context = untracked(recent + (last,))
                 if context == whole:
-                    if length >= UNTRACKED_LENGTH:  # else a call costs more than it saves
-                        untracked(context)
                     return context, recent, found[1]
                 if not self._num_wholes:
                     return None
