@@ -31,7 +31,9 @@ commit) is its host work. Its step is ``HFRunner.run`` and the draw: the
 requests are made before it (making them, and freeing the last step's, is
 the front's work, which ours pays). Each round reports the microseconds
 a request costs in ours beyond ours-runner (the front and the engine), and the
-runner's host work per step.
+runner's host work per step. ``ours`` also prints its minor page faults a
+step (memory the process maps anew, as a growing output cache makes it) and
+what its output cache holds.
 * ``floor``: what an exact step cannot skip behind a T-token prompt: the
   loop's step behind the shortest prompt of the run, plus the prompt's
   attention computed once per layer for every row together (grouped queries
@@ -199,7 +201,10 @@ def _draw(row, draw: str, vocab: int | None = None) -> int:
 
 
 def _ours(model, prompt, firsts, total, draw: str) -> float:
+    """Ours' mean step; prints the minor page faults a step (memory the process maps anew:
+    what a step's output costs while the output cache grows) and what the cache holds."""
     import asyncio
+    import resource
 
     from genlm_backend.llm.hf import AsyncTransformer
 
@@ -223,7 +228,15 @@ def _ours(model, prompt, firsts, total, draw: str) -> float:
         starts = [start, *step_ends[:-1]]
         return _mean_timed([end - begin for begin, end in zip(starts, step_ends)])
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step_s = asyncio.run(main())
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    held = llm.output_cache.stats
+    limit = getattr(held, "limit_bytes", held.budget_bytes)  # a cache of the whole budget
+    print(
+        f"  ours: {faults / total:,.0f} minor page faults a step; output cache "
+        f"{held.bytes_held / 2**20:.0f} MiB held, limit {limit / 2**20:.0f} MiB"
+    )
     llm.close()
     return step_s
 

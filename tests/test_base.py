@@ -16,6 +16,7 @@ import torch
 
 from genlm_backend.errors import BackendClosedError, BatcherClosedError
 from genlm_backend.llm import LMStats, MockAsyncLM
+from genlm_backend.llm.base import OUTPUT_CACHE_INITIAL_BYTES
 from genlm_backend.llm.runner import Request
 
 SMALL_VOCAB = [bytes([b]) for b in b"abcdefghijkl"]
@@ -226,6 +227,34 @@ async def test_a_batch_sharing_rows_with_other_callers_shares_no_memory_with_the
         torch.testing.assert_close(rows, expected, atol=TOL, rtol=0)
     llm.close()
     cached.close()
+
+
+async def test_the_output_cache_grows_into_its_budget_once_an_evicted_row_is_asked_again():
+    """Steps of new contexts (particles extending their own) leave the output cache at its
+    initial limit; a request for a row it evicted doubles the limit, and is answered
+    exactly, recomputed."""
+    vocab = [b"<%d>" % i for i in range(49152)]
+    llm = MockAsyncLM(byte_vocab=vocab)
+    block_bytes = 64 * len(vocab) * 4  # a step of 64 contexts: 12.6 MB
+    initial = OUTPUT_CACHE_INITIAL_BYTES
+    assert 2 * block_bytes <= initial < 3 * block_bytes <= llm.output_cache.budget_bytes
+    steps = [[[step, particle] for particle in range(64)] for step in range(5)]
+    for contexts in steps[:3]:
+        await llm.batch_next_token_logprobs(contexts)
+        assert llm.output_cache.stats.bytes_held <= initial
+    assert llm.output_cache.stats.limit_bytes == initial
+    assert llm.stats.num_output_cache_hits == 0
+    (row,) = await llm.batch_next_token_logprobs(steps[0][:1])  # evicted: recomputed
+    assert llm.stats.num_output_cache_hits == 0
+    assert llm.output_cache.stats.limit_bytes == 2 * initial
+    fresh = MockAsyncLM(byte_vocab=vocab, output_cache_bytes=0)
+    torch.testing.assert_close(row, fresh.next_token_logprobs_sync(steps[0][0]), atol=0, rtol=0)
+    for contexts in steps[3:]:  # two more steps: the initial limit would have evicted steps[1]
+        await llm.batch_next_token_logprobs(contexts)
+    await llm.batch_next_token_logprobs(steps[1])
+    assert llm.stats.num_output_cache_hits == 64
+    llm.close()
+    fresh.close()
 
 
 async def test_a_batch_of_cached_rows_is_one_fresh_copy_of_them(monkeypatch):

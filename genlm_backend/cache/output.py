@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,8 @@ class OutputCacheStats:
     num_evictions: int
     bytes_held: int
     budget_bytes: float
+    limit_bytes: float
+    """What the cache holds at most now: it grows towards ``budget_bytes`` as re-asked rows show a need."""
 
 
 class OutputCache:
@@ -47,6 +49,19 @@ class OutputCache:
       of it moves it; a write through ``.numpy()`` or DLPack does not, and is
       not seen).
 
+    With ``initial_bytes``, the cache grows into its budget as the keys asked
+    show a need for it, as an adaptive replacement cache sizes its lists by
+    its ghost hits: it holds at most its *limit*, at first ``initial_bytes``
+    (and always room for two of the largest storages it was given: a step's
+    output and the last one's), and doubles the limit, up to the budget,
+    whenever a lookup misses a key it evicted that the whole budget would
+    still hold (it remembers the hashes of those keys, not the keys). Particles
+    that each extend their own context never ask an older step's row again:
+    their cache stays at the limit, and the process does not map a new
+    step's worth of memory at every step until the whole budget is held. A
+    workload that asks older rows again (a critic scoring earlier contexts)
+    loses one miss per doubling.
+
     Also a mapping, as upstream genlm-backend's cache: ``cache[key] = tensor``,
     ``cache[key]`` (``KeyError`` when absent), ``key in cache``.
 
@@ -57,9 +72,10 @@ class OutputCache:
         maxsize: Most entries held, ``None`` for no count limit.
         move_to_cpu: Hold tensors in CPU memory and return them on the device they came from.
         keep_views: Hold views of their blocks instead of copies (see above).
+        initial_bytes: The limit the cache starts from (see above); ``None``: the whole budget.
 
     Raises:
-        ValueError: negative budget or maxsize, or neither limit given.
+        ValueError: negative budget, maxsize or initial bytes, or neither limit given.
     """
 
     def __init__(
@@ -69,6 +85,7 @@ class OutputCache:
         maxsize: int | None = None,
         move_to_cpu: bool = False,
         keep_views: bool = False,
+        initial_bytes: int | None = None,
     ):
         if budget_bytes is None and maxsize is None:
             raise ValueError("give budget_bytes or maxsize")
@@ -76,7 +93,16 @@ class OutputCache:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if maxsize is not None and maxsize < 0:
             raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        if initial_bytes is not None and initial_bytes < 0:
+            raise ValueError(f"initial_bytes must be >= 0, got {initial_bytes}")
         self.budget_bytes = float("inf") if budget_bytes is None else int(budget_bytes)
+        self._limit_bytes: float = (
+            self.budget_bytes if initial_bytes is None else min(self.budget_bytes, initial_bytes)
+        )
+        # Hashes of keys evicted below the budget -> their share of their storage's bytes,
+        # oldest first, as many as the budget beyond the limit would hold (_ghost_bytes).
+        self._ghosts: OrderedDict[int, float] = OrderedDict()
+        self._ghost_bytes = 0.0
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
         self.keep_views = keep_views
@@ -109,6 +135,8 @@ class OutputCache:
         with self._lock:
             entries = self._entries
             held = list(map(entries.get, keys))  # an entry is a pair: true when found
+            if self._ghosts and not all(held):
+                self._grow_if_evicted(key for key, entry in zip(keys, held) if entry is None)
             num_hits = 0
             if any(held):  # else (a step's new contexts) no key is looked at again
                 for i, (key, entry) in enumerate(zip(keys, held)):
@@ -130,6 +158,47 @@ class OutputCache:
                 value if value is None or key not in self._devices else value.to(self._devices[key])
                 for key, value in zip(keys, values)
             ]
+
+    def _grow_if_evicted(self, missed: Iterable[Hashable]) -> None:
+        """Double the limit (up to the budget) if one of the keys ``missed`` was evicted within
+        what the budget would hold; past the budget, no evicted key is remembered (lock held)."""
+        ghosts = self._ghosts
+        found = [ghost for ghost in map(hash, missed) if ghost in ghosts]
+        if not found:
+            return
+        for ghost in found:
+            self._ghost_bytes -= ghosts.pop(ghost)
+        self._limit_bytes = min(self.budget_bytes, 2 * self._limit_bytes)
+        self._forget_ghosts()
+
+    def _room_for(self, nbytes: int) -> None:
+        """Raise the limit to hold two storages of ``nbytes`` (a step's output and the last
+        one's), up to the budget (lock held)."""
+        if 2 * nbytes > self._limit_bytes:
+            self._limit_bytes = min(self.budget_bytes, 2 * nbytes)
+            self._forget_ghosts()
+
+    def _remember_evicted(self, keys: Iterable[Hashable], nbytes: float) -> None:
+        """Remember the hashes of ``keys``, evicted from a storage of ``nbytes``, while the limit
+        is below the budget (lock held)."""
+        if self._limit_bytes >= self.budget_bytes:
+            return
+        keys = list(keys)
+        share = nbytes / max(1, len(keys))
+        ghosts = self._ghosts
+        for ghost in map(hash, keys):
+            self._ghost_bytes += share - ghosts.pop(ghost, 0.0)
+            ghosts[ghost] = share
+        self._forget_ghosts()
+
+    def _forget_ghosts(self) -> None:
+        """Forget the oldest ghosts beyond what the budget would hold past the limit (lock held)."""
+        ghosts = self._ghosts
+        room = self.budget_bytes - self._limit_bytes
+        while ghosts and self._ghost_bytes > room:
+            self._ghost_bytes -= ghosts.popitem(last=False)[1]
+        if not ghosts:
+            self._ghost_bytes = 0.0
 
     def _value(self, key: Hashable, entry: tuple[int, int]) -> torch.Tensor | None:
         """The tensor of an entry, ``None`` if its block was written to since it was stored."""
@@ -169,6 +238,7 @@ class OutputCache:
         with self._lock:
             for key, value, device in kept:
                 storage = value.untyped_storage()
+                self._room_for(storage.nbytes())
                 self._store(key, storage.data_ptr(), -1, storage.nbytes(), None)
                 self._tensors[key] = value
                 if _tracks_writes(value):
@@ -192,6 +262,7 @@ class OutputCache:
         address = storage.data_ptr()
         version = block._version if not block.is_inference() else None
         with self._lock:
+            self._room_for(nbytes)
             held = self._blocks.get(address)
             if held is not None and held[2] is not block:
                 # The memory of rows held is the runner's output again: those rows are stale.
@@ -217,7 +288,7 @@ class OutputCache:
         if address in self._blocks or not entries.keys().isdisjoint(unique):
             return False
         while entries:
-            if self._bytes_held + nbytes > self.budget_bytes:
+            if self._bytes_held + nbytes > self._limit_bytes:
                 self._evict_oldest(whole_block=True)
             elif maxsize is not None and len(entries) + len(keys) > maxsize:
                 self._evict_oldest(whole_block=False)
@@ -250,7 +321,7 @@ class OutputCache:
         held = self._blocks.get(address)
         size = 0 if held is not None else nbytes
         while self._entries:
-            if self._bytes_held + size > self.budget_bytes:
+            if self._bytes_held + size > self._limit_bytes:
                 self._evict_oldest(whole_block=True)
             elif self.maxsize is not None and len(self._entries) >= self.maxsize:
                 self._evict_oldest(whole_block=False)
@@ -279,6 +350,8 @@ class OutputCache:
             self._versions.pop(key, None)
         held = self._blocks[address]
         held[1].discard(key)
+        if evicted:
+            self._remember_evicted((key,), held[0] if row < 0 else held[0] / (len(held[1]) + 1))
         if not held[1]:
             del self._blocks[address]
             self._bytes_held -= held[0]
@@ -289,7 +362,9 @@ class OutputCache:
         key = next(iter(self._entries))
         address, row = self._entries[key]
         if whole_block and row >= 0:
-            self._num_evictions += len(self._blocks[address][1])
+            nbytes, keys, _, _ = self._blocks[address]
+            self._num_evictions += len(keys)
+            self._remember_evicted(keys, nbytes)
             self._drop_block(address)
         else:
             self._drop(key, evicted=True)
@@ -332,6 +407,8 @@ class OutputCache:
             self._devices.clear()
             self._blocks.clear()
             self._bytes_held = 0
+            self._ghosts.clear()
+            self._ghost_bytes = 0.0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -349,6 +426,7 @@ class OutputCache:
                 num_evictions=self._num_evictions,
                 bytes_held=self._bytes_held,
                 budget_bytes=self.budget_bytes,
+                limit_bytes=self._limit_bytes,
             )
 
 

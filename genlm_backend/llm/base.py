@@ -44,6 +44,9 @@ from genlm_backend.llm.stats import LMStats
 __all__ = ["AsyncLM", "LMStats", "TokenIds", "sample_token", "validate_token_ids"]
 
 DEFAULT_OUTPUT_CACHE_BYTES = 256 << 20  # 256 MiB
+OUTPUT_CACHE_INITIAL_BYTES = 32 << 20
+"""What the output cache holds at first (and two steps' outputs): it grows into
+``output_cache_bytes`` once a request misses a row it evicted (:class:`OutputCache`)."""
 
 DEFAULT_CHUNK_TOKENS = 64
 """Tokens a step in the event loop's thread computes at once (see ``AsyncLM``'s ``chunk_tokens``):
@@ -94,7 +97,9 @@ class AsyncLM:
         max_batch_tokens: Most tokens per model batch, as the runner counts them
             (the part of each context it computes); ``None`` for no budget. A
             longer context goes alone.
-        output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it).
+        output_cache_bytes: Byte budget of the output cache (LRU; 0 disables it). The
+            cache grows into it: it holds :data:`OUTPUT_CACHE_INITIAL_BYTES` (or two
+            steps' outputs) until a request misses a row it evicted.
         compute_in_loop: Steps run in the event loop's thread (the default:
             fastest where the particles all wait for them), blocking the loop
             for at most a chunk at a time; ``False``: in one worker thread, the
@@ -163,7 +168,11 @@ class AsyncLM:
             threads = CpuThreads(torch.get_num_threads())
         self.engine = Engine(
             self.batching,
-            OutputCache(output_cache_bytes, keep_views=output_cache_views),
+            OutputCache(
+                output_cache_bytes,
+                keep_views=output_cache_views,
+                initial_bytes=OUTPUT_CACHE_INITIAL_BYTES,
+            ),
             owner=type(self).__name__,
             cpu_threads=threads,
         )
