@@ -114,6 +114,8 @@ async def run_smc(
     ``cache_prompt``, inside the timed span); returns its time and what it sampled.
     ``beside``: the seed and texts of :func:`other_workload`, run alongside."""
     llm.clear_cache()
+    cache = getattr(llm, "output_cache", None)  # genlm_backend's: its hits and limit
+    hits_before = None if cache is None else cache.stats.num_hits
     seed_everything(seed)
     sampler = AWRS(potential, condition, seed=seed)
     start = time.perf_counter()
@@ -133,6 +135,7 @@ async def run_smc(
     stop.set()
     other_rows = 0 if other is None else await other
     seconds = time.perf_counter() - start
+    cache_stats = None if cache is None else cache.stats
     tokens = [[t for t in ctx if hasattr(t, "token_id")] for ctx in sequences.contexts]  # drops EOS
     return {
         "seed": seed,
@@ -145,6 +148,10 @@ async def run_smc(
         "log_weights": [float(w) for w in sequences.log_weights],
         "log_ml": float(sequences.log_ml),
         "other_rows": other_rows,
+        "output_cache_hits": None if cache_stats is None else cache_stats.num_hits - hits_before,
+        "output_cache_limit_mib": (
+            None if cache_stats is None else getattr(cache_stats, "limit_bytes", 0) / 2**20
+        ),
     }
 
 
