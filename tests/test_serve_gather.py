@@ -108,6 +108,43 @@ async def test_a_new_client_waits_for_the_stepping_ones_as_long_as_their_groups_
     assert gather.stats.num_groups == 3 and gather.stats.num_waits_given_up == 0
 
 
+async def a_group_of_returning_clients_that_took(
+    gather: StepGather, clock: Clock, seconds: float, *clients: str
+):
+    """``clients``, all expected back, come back and go together; answered after ``seconds``."""
+    await asyncio.gather(*(gather.admit(client) for client in clients))
+    clock.now += seconds
+    for client in clients:
+        gather.answered(client)
+
+
+async def test_a_cheap_group_after_a_long_one_does_not_cut_the_next_wait_short():
+    """A group answered from cached rows takes no time; what a group takes stays the long
+    one's, halved: a client not back yet is still waited for."""
+    clock = Clock()
+    gather = StepGather(clock)
+    await a_group_that_took(gather, clock, LONG_S, "a", "b")
+    await a_group_of_returning_clients_that_took(gather, clock, 0.0, "a", "b")
+    b = await held(gather, "b")
+    for _ in range(10):  # a is waited for up to LONG_S / 2
+        await asyncio.sleep(0)
+    assert not b.done()
+    gather.forget("a")
+    await b
+    assert gather.stats.num_waits_given_up == 0
+
+
+async def test_groups_that_got_cheaper_for_good_are_waited_for_less():
+    clock = Clock()
+    gather = StepGather(clock)
+    await a_group_that_took(gather, clock, LONG_S, "a", "b")
+    for _ in range(60):  # LONG_S halved 60 times: under a nanosecond
+        await a_group_of_returning_clients_that_took(gather, clock, 0.0, "a", "b")
+    b = await held(gather, "b")
+    await b  # a is not back: b went without it
+    assert gather.stats.num_waits_given_up == 1
+
+
 async def test_clients_taking_turns_wait_for_each_other_no_longer_than_their_groups():
     """One client's answer is what the other waits for: each wait ends at the bound (0 here)."""
     clock = Clock()

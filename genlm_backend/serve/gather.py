@@ -16,12 +16,17 @@ arrives; requests are held until
 
 and then all go to the model together, in one event-loop pass, where the
 batcher takes them as one batch. A client that does not come back (its job
-ended, or it works on something else) is waited for at most as long as the
-last group of the clients involved took (the waiting ones and those waited
-for; the longest), counted from when the wait starts: past that, a group of
-the waiting requests would have cost no more than the wait (the ski-rental
-bound: at worst twice the better of "wait" and "go now"). The client is then
-no longer expected, until it is answered again. So there is no count or timeout to
+ended, or it works on something else) is waited for at most as long as a
+group takes, counted from when the wait starts: past that, a group of the
+waiting requests would have cost no more than the wait (the ski-rental
+bound: at worst twice the better of "wait" and "go now"). What a group takes
+is the longest of the server's recent groups, each earlier one counted at
+half for every group since: a group answered from cached rows in a fraction
+of a millisecond, or a client's first group, does not make the next wait
+that short (clients that start together would then fall out of step for the
+rest of their run), and groups that got cheaper for good are waited for less
+within a few groups. The client is then no longer
+expected, until it is answered again. So there is no count or timeout to
 tune; a client whose session closes is not waited for at all.
 
 Requests without a client identity (other client libraries) are never
@@ -35,6 +40,9 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+
+GROUP_DECAY = 0.5
+"""What an earlier group's duration counts for, per group since, in what a client's group takes."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,7 @@ class StepGather:
         self._computing: Counter[Hashable] = Counter()
         self._expected: set[Hashable] = set()
         self._group_started_at = 0.0
-        self._group: set[Hashable] = set()  # the clients of the last group let through
-        self._last_group_s: dict[Hashable, float] = {}  # of each client expected back
+        self._group_s = 0.0  # what a group takes (see the module)
         self._give_up: asyncio.TimerHandle | None = None
         self._counts = dict.fromkeys(("groups", "requests", "given_up"), 0)
 
@@ -124,18 +131,16 @@ class StepGather:
     def forget(self, client: Hashable) -> None:
         """``client`` went away: do not wait for it."""
         self._expected.discard(client)
-        self._last_group_s.pop(client, None)
         self._release_if_ready()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time() if self._clock is None else self._clock()
 
     def _end_group(self) -> None:
-        """The last request of a group is done: its duration bounds its clients' next waits."""
+        """The last request of a group is done: with the earlier groups (halved), its duration
+        bounds the next waits."""
         duration_s = max(0.0, self._now() - self._group_started_at)
-        for client in self._group:
-            if client in self._expected:
-                self._last_group_s[client] = duration_s
+        self._group_s = max(duration_s, GROUP_DECAY * self._group_s)
 
     def _release_if_ready(self) -> None:
         if not self._held or self._computing:
@@ -151,7 +156,6 @@ class StepGather:
         if not held:
             return
         self._group_started_at = self._now()
-        self._group = {client for client, _ in held}
         self._counts["groups"] += 1
         self._counts["requests"] += len(held)
         for client, future in held:
@@ -159,19 +163,16 @@ class StepGather:
             future.set_result(None)
 
     def _wait_for_expected(self) -> None:
-        """Requests wait for the clients expected back, from now on, at most the longest last group
-        of the clients involved (waiting and waited for): what a group of theirs costs."""
+        """Requests wait for the clients expected back, from now on, at most what a group takes."""
         if self._give_up is None:
-            involved = [client for client, _ in self._held] + list(self._expected)
-            bound_s = max(self._last_group_s.get(client, 0.0) for client in involved)
-            self._give_up = asyncio.get_running_loop().call_later(bound_s, self._on_give_up)
+            self._give_up = asyncio.get_running_loop().call_later(
+                self._group_s, self._on_give_up
+            )
 
     def _on_give_up(self) -> None:
         self._give_up = None
         if not self._held or self._computing:
             return  # nobody waits any more: those clients stay expected
         self._counts["given_up"] += 1
-        for client in self._expected:
-            self._last_group_s.pop(client, None)
         self._expected.clear()
         self._release_if_ready()
