@@ -165,9 +165,7 @@ class StepGather:
     def _wait_for_expected(self) -> None:
         """Requests wait for the clients expected back, from now on, at most what a group takes."""
         if self._give_up is None:
-            self._give_up = asyncio.get_running_loop().call_later(
-                self._group_s, self._on_give_up
-            )
+            self._give_up = asyncio.get_running_loop().call_later(self._group_s, self._on_give_up)
 
     def _on_give_up(self) -> None:
         self._give_up = None
