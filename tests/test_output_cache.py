@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from genlm_backend.cache import output
 from genlm_backend.cache.output import OutputCache
 
 WIDTH = 4
@@ -171,3 +172,15 @@ def test_a_growing_cache_holds_within_its_limit_and_its_budget_and_returns_what_
         stats = cache.stats
         assert stats.bytes_held <= stats.limit_bytes <= stats.budget_bytes
         assert cache._ghost_bytes <= stats.budget_bytes - stats.limit_bytes + 1e-6
+
+
+def test_evicted_keys_are_remembered_within_a_count_too(monkeypatch):
+    """Rows of no bytes never fill the budget: the keys evicted (by count) are remembered
+    up to MAX_GHOSTS, not without end."""
+    monkeypatch.setattr(output, "MAX_GHOSTS", 8)
+    cache = OutputCache(1 << 20, maxsize=2, initial_bytes=1 << 10)
+    for i in range(40):
+        cache.put(f"k{i}", torch.zeros(0))
+    assert len(cache._ghosts) == 8 and len(cache) == 2
+    assert cache.get("k37") is None and cache.stats.limit_bytes == 2 << 10  # remembered
+    assert cache.get("k0") is None and cache.stats.limit_bytes == 2 << 10  # forgotten

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_GHOSTS = 1 << 15
+"""Most evicted keys an :class:`OutputCache` remembers (a hash and a float each: about 4 MB):
+the evicted rows of a 256 MiB budget beyond a 32 MiB limit, for a vocabulary of 8,000 tokens or
+more; rows of nothing (a budget they never fill) are remembered no further."""
+
 
 @dataclass(frozen=True)
 class OutputCacheStats:
@@ -192,10 +197,11 @@ class OutputCache:
         self._forget_ghosts()
 
     def _forget_ghosts(self) -> None:
-        """Forget the oldest ghosts beyond what the budget would hold past the limit (lock held)."""
+        """Forget the oldest ghosts beyond what the budget would hold past the limit, and beyond
+        :data:`MAX_GHOSTS` (lock held)."""
         ghosts = self._ghosts
         room = self.budget_bytes - self._limit_bytes
-        while ghosts and self._ghost_bytes > room:
+        while ghosts and (self._ghost_bytes > room or len(ghosts) > MAX_GHOSTS):
             self._ghost_bytes -= ghosts.popitem(last=False)[1]
         if not ghosts:
             self._ghost_bytes = 0.0
