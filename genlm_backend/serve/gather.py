@@ -25,9 +25,9 @@ half for every group since: a group answered from cached rows in a fraction
 of a millisecond, or a client's first group, does not make the next wait
 that short (clients that start together would then fall out of step for the
 rest of their run), and groups that got cheaper for good are waited for less
-within a few groups. The client is then no longer
-expected, until it is answered again. So there is no count or timeout to
-tune; a client whose session closes is not waited for at all.
+within a few groups. The client is then no longer expected, until it is
+answered again. So there is no count or timeout to tune; a client whose
+session closes is not waited for at all.
 
 Requests without a client identity (other client libraries) are never
 expected back: they go with the next group.
@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 GROUP_DECAY = 0.5
-"""What an earlier group's duration counts for, per group since, in what a client's group takes."""
+"""What an earlier group's duration counts for, per group since, in what a group takes."""
 
 
 @dataclass(frozen=True)
