@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 from collections import OrderedDict
@@ -169,10 +168,9 @@ class OutputCache:
         """Double the limit (up to the budget) if one of the keys ``missed`` was evicted within
         what the budget would hold; past the budget, no evicted key is remembered (lock held)."""
         ghosts = self._ghosts
-        hashes = list(map(hash, missed))
-        if ghosts.keys().isdisjoint(hashes):  # a step's new keys: the common case, at C speed
+        found = [ghost for ghost in map(hash, missed) if ghost in ghosts]
+        if not found:
             return
-        found = [ghost for ghost in hashes if ghost in ghosts]
         for ghost in found:
             self._ghost_bytes -= ghosts.pop(ghost)
         self._limit_bytes = min(self.budget_bytes, 2 * self._limit_bytes)
@@ -190,16 +188,12 @@ class OutputCache:
         is below the budget (lock held)."""
         if self._limit_bytes >= self.budget_bytes:
             return
-        hashes = list(map(hash, keys))
-        share = nbytes / max(1, len(hashes))
+        keys = list(keys)
+        share = nbytes / max(1, len(keys))
         ghosts = self._ghosts
-        if ghosts.keys().isdisjoint(hashes):  # a block's keys, evicted once: in one update
-            ghosts.update(zip(hashes, itertools.repeat(share)))
-            self._ghost_bytes += share * len(hashes)
-        else:
-            for ghost in hashes:
-                self._ghost_bytes += share - ghosts.pop(ghost, 0.0)
-                ghosts[ghost] = share
+        for ghost in map(hash, keys):
+            self._ghost_bytes += share - ghosts.pop(ghost, 0.0)
+            ghosts[ghost] = share
         self._forget_ghosts()
 
     def _forget_ghosts(self) -> None:
@@ -207,11 +201,10 @@ class OutputCache:
         :data:`MAX_GHOSTS` (lock held)."""
         ghosts = self._ghosts
         room = self.budget_bytes - self._limit_bytes
-        ghost_bytes = self._ghost_bytes
-        popitem = ghosts.popitem
-        while ghosts and (ghost_bytes > room or len(ghosts) > MAX_GHOSTS):
-            ghost_bytes -= popitem(last=False)[1]
-        self._ghost_bytes = ghost_bytes if ghosts else 0.0
+        while ghosts and (self._ghost_bytes > room or len(ghosts) > MAX_GHOSTS):
+            self._ghost_bytes -= ghosts.popitem(last=False)[1]
+        if not ghosts:
+            self._ghost_bytes = 0.0
 
     def _value(self, key: Hashable, entry: tuple[int, int]) -> torch.Tensor | None:
         """The tensor of an entry, ``None`` if its block was written to since it was stored."""
@@ -388,9 +381,6 @@ class OutputCache:
         nbytes, keys, _, _ = self._blocks.pop(address)
         self._bytes_held -= nbytes
         entries, devices = self._entries, self._devices
-        if not self._tensors and not devices:  # rows of a step's block only: the common case
-            collections.deque(map(entries.pop, keys), maxlen=0)
-            return
         for key in keys:
             if entries.pop(key)[1] < 0:  # a tensor of its own at this address
                 del self._tensors[key]
