@@ -267,6 +267,60 @@ def test_recent_contexts_hold_at_most_their_count():
     assert parent is None
 
 
+def _step_particles(recent: RecentContexts, lists: list[list[int]], step: int) -> int:
+    """Each particle appends a token and is checked; how many found their last context."""
+    found = 0
+    for i, token_ids in enumerate(lists):
+        token_ids.append((step * 31 + i) % VOCAB_SIZE)
+        _, parent, _ = recent.validate(token_ids)
+        found += parent is not None
+    return found
+
+
+def test_particles_a_few_steps_of_the_initial_limit_hold_stay_within_it():
+    """Contexts of a few steps serve particles: the limit does not grow, and fewer contexts
+    outlive a step (the collector's share of a particle's call)."""
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None, initial_contexts=64)
+    lists = [[i % VOCAB_SIZE, 7] for i in range(16)]
+    for step in range(40):
+        assert _step_particles(recent, lists, step) == (16 if step else 0)
+    assert recent.limit == 64 and len(recent._by_hash) == 64
+
+
+def test_a_context_whose_recent_one_was_forgotten_doubles_the_limit():
+    """More particles than the limit holds: their contexts are forgotten before they are
+    extended, until the limit has doubled enough; then each finds its last one again."""
+    recent = RecentContexts(
+        VOCAB_SIZE, max_context_length=None, max_contexts=512, initial_contexts=32
+    )
+    lists = [[i % VOCAB_SIZE, 7, i // VOCAB_SIZE] for i in range(100)]
+    found = [_step_particles(recent, lists, step) for step in range(8)]
+    assert found[1] < 100 and found[-1] == 100  # forgotten at first, then held
+    assert recent.limit == 128  # the first limit holding a step's 100 contexts
+    assert len(recent._ghosts) <= recent.max_contexts - recent.limit
+    lists = [[i % VOCAB_SIZE, 8, i // VOCAB_SIZE] for i in range(300)]
+    found = [_step_particles(recent, lists, step) for step in range(6)]
+    assert found[-1] == 300 and recent.limit == 512 == recent.max_contexts
+    assert not recent._ghosts  # at the cap, nothing forgotten is remembered
+    lists = [[i % VOCAB_SIZE, 9, i // VOCAB_SIZE] for i in range(2000)]  # past the cap
+    for step in range(3):
+        _step_particles(recent, lists, step)
+    assert recent.limit == 512 and len(recent._by_hash) == 512 and not recent._ghosts
+
+
+def test_forgotten_contexts_are_remembered_within_what_the_cap_would_hold():
+    """A step larger than the cap's room beyond the limit: its first contexts' tails are
+    forgotten before they are asked again, so they cannot grow the limit for nothing."""
+    recent = RecentContexts(
+        VOCAB_SIZE, max_context_length=None, max_contexts=256, initial_contexts=64
+    )
+    lists = [[i % VOCAB_SIZE, 7, i // VOCAB_SIZE] for i in range(1000)]
+    for step in range(3):
+        assert _step_particles(recent, lists, step) == 0
+        assert len(recent._ghosts) <= 256 - 64
+    assert recent.limit == 64
+
+
 @pytest.mark.skipif(kv_tree._SAME_OBJECTS is None, reason="compares CPython's object layouts")
 def test_same_objects_tells_a_recent_contexts_own_tokens_from_equal_ones():
     prefix = tuple(range(1000, 1300))

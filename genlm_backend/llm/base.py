@@ -840,15 +840,20 @@ class RecentContexts:
     finds another: a whole hash a context, not a comparison with every
     other particle.
 
-    Holds at most ``max_tokens`` tokens of contexts and ``max_contexts``
-    contexts (the least recently validated are forgotten first); safe to use
-    from several threads. A particle extends a context of the last step (its
-    own, or its parent's after a resampling): a few steps' contexts serve it.
+    Holds at most ``max_tokens`` tokens of contexts and a limit of contexts
+    (the least recently validated are forgotten first); safe to use from
+    several threads. A particle extends a context of the last step (its own,
+    or its parent's after a resampling): a few steps' contexts serve it.
     Holding more costs the cyclic garbage collector: each context held is two
     objects that outlive the step, and until the oldest go, every step's
     survivors count towards the next young collection (64 particles of short
     contexts with no model work, 200 steps: 61 young collections holding
-    every context under the token limit, 22 holding 4,096).
+    every context under the token limit, 23 holding 4,096, 2 to 4 holding
+    256). So the limit starts at ``initial_contexts`` and grows as the
+    workload shows a need, as the output cache's does: the tail hashes of
+    forgotten contexts are remembered (ints), and a context whose recent one
+    was forgotten among them doubles the limit, up to ``max_contexts``, at most
+    once a step (more particles than a few steps of the limit hold).
 
     Args:
         vocab_size: As :func:`validate_token_ids`'s.
@@ -856,6 +861,7 @@ class RecentContexts:
         max_tokens: Most tokens of the contexts held (8 bytes each, shared with
             the requests that hold the same contexts).
         max_contexts: Most contexts held.
+        initial_contexts: The limit of contexts held at first (see above).
     """
 
     def __init__(
@@ -864,11 +870,17 @@ class RecentContexts:
         max_context_length: int | None,
         max_tokens: int = 1 << 21,
         max_contexts: int = 1 << 12,
+        initial_contexts: int = 1 << 8,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_context_length = max_context_length
         self.max_tokens = max_tokens
         self.max_contexts = max_contexts
+        self.limit = min(initial_contexts, max_contexts)
+        """Most contexts held now: grows towards ``max_contexts`` (see above)."""
+        # Tail hashes of contexts forgotten under the limit, oldest first: as many as
+        # max_contexts beyond the limit would hold.
+        self._ghosts: collections.OrderedDict[int, None] = collections.OrderedDict()
         # (context, its blocks_digest) by the hash of its length and last RECENT_TAIL tokens
         # (an int) and, for contexts whose place another of that hash took, by (hash(context),) (a 1-tuple; Python's hash of a
         # whole tuple: C speed). Oldest first; OrderedDict pops its oldest in O(1) (a dict's
@@ -913,7 +925,7 @@ class RecentContexts:
                     self._hold((hash(old[0]),), old)
             held[key] = (context, digest)
             self._num_tokens += length
-            if len(held) > self.max_contexts or self._num_tokens > self.max_tokens:
+            if len(held) > self.limit or self._num_tokens > self.max_tokens:
                 self._forget_oldest()
         return context, parent, hash((length, digest, context[last_block:]))
 
@@ -934,11 +946,13 @@ class RecentContexts:
         # Elements of any kind may come here (the full check names a bad one): one that
         # cannot be hashed or compared (an array, a list) sends the context to that check.
         try:
-            tail = tuple(token_ids[-RECENT_TAIL - 1 : -1])
+            key = hash((length - 1, tuple(token_ids[-RECENT_TAIL - 1 : -1])))
             held = self._by_hash
-            found = held.get(hash((length - 1, tail)))
+            found = held.get(key)
             if found is not None and len(found[0]) != length - 1:
                 found = None
+            elif found is None and key in self._ghosts:  # forgotten too soon: hold more
+                self._grow(key)
             if found is None and not self._num_wholes:
                 return None
             whole = tuple(token_ids)  # one copy, at C speed: no other thread changes it now
@@ -967,15 +981,26 @@ class RecentContexts:
 
     def _forget_oldest(self) -> None:
         """Forget the least recently validated contexts until at most ``max_tokens`` tokens
-        and ``max_contexts`` contexts are held (the newest always is; lock held)."""
-        held = self._by_hash
-        while len(held) > 1 and (
-            len(held) > self.max_contexts or self._num_tokens > self.max_tokens
-        ):
+        and :attr:`limit` contexts are held (the newest always is; lock held)."""
+        held, ghosts = self._by_hash, self._ghosts
+        while len(held) > 1 and (len(held) > self.limit or self._num_tokens > self.max_tokens):
             dropped_key, (dropped, _) = held.popitem(last=False)
             self._num_tokens -= len(dropped)
             if type(dropped_key) is tuple:
                 self._num_wholes -= 1
+            elif self.limit < self.max_contexts:
+                ghosts[dropped_key] = None
+        while len(ghosts) > self.max_contexts - self.limit:
+            ghosts.popitem(last=False)
+
+    def _grow(self, key: int) -> None:
+        """Double :attr:`limit`, up to ``max_contexts``: the recent context of tail hash ``key``
+        was forgotten under it. The contexts forgotten under the old limit are then
+        forgotten as such (the others of its step would double it again, for one need)."""
+        with self._lock:
+            if key in self._ghosts:
+                self.limit = min(self.max_contexts, 2 * self.limit)
+                self._ghosts.clear()
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:
         """Hold ``kept``, a context and its digest, under ``key`` as the newest (lock held)."""
@@ -991,4 +1016,5 @@ class RecentContexts:
     def clear(self) -> None:
         with self._lock:
             self._by_hash.clear()
+            self._ghosts.clear()
             self._num_tokens = self._num_wholes = 0
