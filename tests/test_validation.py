@@ -308,6 +308,18 @@ def test_a_context_whose_recent_one_was_forgotten_doubles_the_limit():
     assert recent.limit == 512 and len(recent._by_hash) == 512 and not recent._ghosts
 
 
+def test_a_thousand_particles_grow_the_default_limit_in_their_first_steps():
+    """docs/caching.md's figure: 1,024 at the second step, every context found from the fourth."""
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    lists = [[i % VOCAB_SIZE, 7, i // VOCAB_SIZE] for i in range(1000)]
+    found = []
+    for step in range(5):
+        found.append(_step_particles(recent, lists, step))
+        if step == 1:
+            assert recent.limit == 1024
+    assert found[3:] == [1000, 1000] and recent.limit == 1024
+
+
 def test_forgotten_contexts_are_remembered_within_what_the_cap_would_hold():
     """A step larger than the cap's room beyond the limit: its first contexts' tails are
     forgotten before they are asked again, so they cannot grow the limit for nothing."""

@@ -848,12 +848,14 @@ class RecentContexts:
     objects that outlive the step, and until the oldest go, every step's
     survivors count towards the next young collection (64 particles of short
     contexts with no model work, 200 steps: 61 young collections holding
-    every context under the token limit, 23 holding 4,096, 2 to 4 holding
+    every context under the token limit, 23 holding 4,096, 2 to 6 holding
     256). So the limit starts at ``initial_contexts`` and grows as the
     workload shows a need, as the output cache's does: the tail hashes of
     forgotten contexts are remembered (ints), and a context whose recent one
-    was forgotten among them doubles the limit, up to ``max_contexts``, at most
-    once a step (more particles than a few steps of the limit hold).
+    was forgotten among them doubles the limit, up to ``max_contexts`` (more
+    particles than a few steps of the limit hold; contexts forgotten before a
+    doubling no longer count, so the misses of contexts forgotten together double
+    it once).
 
     Args:
         vocab_size: As :func:`validate_token_ids`'s.
