@@ -988,7 +988,7 @@ class RecentContexts:
         while len(held) > 1 and (len(held) > self.limit or self._num_tokens > self.max_tokens):
             dropped_key, (dropped, _) = held.popitem(last=False)
             self._num_tokens -= len(dropped)
-            if type(dropped_key) is tuple:
+            if isinstance(dropped_key, tuple):
                 self._num_wholes -= 1
             elif self.limit < self.max_contexts:
                 ghosts[dropped_key] = None
