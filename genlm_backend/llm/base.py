@@ -884,9 +884,10 @@ class RecentContexts:
         # max_contexts beyond the limit would hold.
         self._ghosts: collections.OrderedDict[int, None] = collections.OrderedDict()
         # (context, its blocks_digest) by the hash of its length and last RECENT_TAIL tokens
-        # (an int) and, for contexts whose place another of that hash took, by (hash(context),) (a 1-tuple; Python's hash of a
-        # whole tuple: C speed). Oldest first; OrderedDict pops its oldest in O(1) (a dict's
-        # first key, after many pops, is found past their dead slots: a scan per eviction).
+        # (an int) and, for contexts whose place another of that hash took, by
+        # (hash(context),) (a 1-tuple; Python's hash of a whole tuple: C speed). Oldest
+        # first; OrderedDict pops its oldest in O(1) (a dict's first key, after many pops,
+        # is found past their dead slots: a scan per eviction).
         self._by_hash: collections.OrderedDict[int | tuple[int], tuple[tuple[int, ...], int]] = (
             collections.OrderedDict()
         )
@@ -915,8 +916,8 @@ class RecentContexts:
             if last_block == length:  # a block completed: the digest takes it in
                 digest = hash((digest, context[-HASH_BLOCK:]))
         # Held by its tail's hash, and its context_hash returned, both written out (the
-        # latter is tested to be context_hash's): this method is a particle call's largest share, about 2.7 us, of
-        # which a function call would be 70 ns.
+        # latter is tested to be context_hash's): this method is a particle call's largest
+        # share, about 3 us, of which a function call would be 70 ns.
         key = hash((length, context[-RECENT_TAIL:]))
         with self._lock:
             held = self._by_hash

@@ -267,10 +267,10 @@ class Engine:
         if not len(cache):
             return {}
         rows = todo  # the output cache holds rows only: score requests are not looked up
-        if ScoreRequest in map(type, todo):
+        if set(map(type, todo)) != {Request}:
             rows = [r for r in todo if type(r) is Request]
         held = cache.get_many(rows)
-        if held.count(None) == len(held):  # a step's new contexts: the common case
+        if all(row is None for row in held):  # a step's new contexts: the common case
             return {}
         hits = [(r, row) for r, row in zip(rows, held) if row is not None]
         self.counts["cache_hits"] += len(hits)
