@@ -320,6 +320,49 @@ def test_a_thousand_particles_grow_the_default_limit_in_their_first_steps():
     assert found[3:] == [1000, 1000] and recent.limit == 1024
 
 
+def test_threads_checking_contexts_at_once_get_the_full_checks_answers():
+    """Several threads step their own particles through one front whose limit is small (so
+    it forgets, remembers and grows while they run), switching as often as the interpreter
+    lets them: every answer is the full check's, and what the front counts is what it holds."""
+    import sys
+    import threading
+
+    recent = RecentContexts(
+        VOCAB_SIZE, max_context_length=None, max_contexts=256, initial_contexts=8
+    )
+    errors: list[BaseException] = []
+
+    def particles(seed: int) -> None:
+        lists = [[seed, i % VOCAB_SIZE, 7] for i in range(24)]
+        try:
+            for step in range(30):
+                for i, token_ids in enumerate(lists):
+                    token_ids.append((seed * 7 + step * 31 + i) % VOCAB_SIZE)
+                    context, parent, hashed = recent.validate(token_ids)
+                    assert context == tuple(token_ids) and hashed == context_hash(context)
+                    assert parent is None or parent == context[:-1]
+        except BaseException as error:  # noqa: BLE001 - reported by the test's thread
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=particles, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    held = recent._by_hash
+    assert recent._num_tokens == sum(len(context) for context, _ in held.values())
+    assert recent._num_wholes == sum(isinstance(key, tuple) for key in held)
+    assert len(held) <= recent.limit <= recent.max_contexts
+    assert len(recent._ghosts) <= recent.max_contexts - recent.limit
+    assert recent.limit > 8  # 96 particles a step: it grew
+
+
 def test_forgotten_contexts_are_remembered_within_what_the_cap_would_hold():
     """A step larger than the cap's room beyond the limit: its first contexts' tails are
     forgotten before they are asked again, so they cannot grow the limit for nothing."""
