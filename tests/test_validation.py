@@ -308,6 +308,17 @@ def test_a_context_whose_recent_one_was_forgotten_doubles_the_limit():
     assert recent.limit == 512 and len(recent._by_hash) == 512 and not recent._ghosts
 
 
+def test_contexts_forgotten_for_their_tokens_do_not_grow_the_limit():
+    """Long contexts past ``max_tokens``: holding more of them is not the limit's to allow."""
+    recent = RecentContexts(
+        VOCAB_SIZE, max_context_length=None, max_tokens=1000, initial_contexts=64
+    )
+    lists = [[i % VOCAB_SIZE, *[7] * 100, i // VOCAB_SIZE] for i in range(16)]
+    found = [_step_particles(recent, lists, step) for step in range(4)]
+    assert found == [0, 0, 0, 0]  # 16 contexts of 100 tokens: 9 fit the tokens
+    assert recent.limit == 64 and not recent._ghosts and recent._num_tokens <= 1000
+
+
 def test_a_thousand_particles_grow_the_default_limit_in_their_first_steps():
     """docs/caching.md's figure: 1,024 at the second step, every context found from the fourth."""
     recent = RecentContexts(VOCAB_SIZE, max_context_length=None)

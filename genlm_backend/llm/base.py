@@ -851,7 +851,8 @@ class RecentContexts:
     every context under the token limit, 23 holding 4,096, 2 to 6 holding
     256). So the limit starts at ``initial_contexts`` and grows as the
     workload shows a need, as the output cache's does: the tail hashes of
-    forgotten contexts are remembered (ints), and a context whose recent one
+    contexts forgotten for the count (not for ``max_tokens``) are remembered
+    (ints), and a context whose recent one
     was forgotten among them doubles the limit, up to ``max_contexts`` (more
     particles than a few steps of the limit hold; contexts forgotten before a
     doubling no longer count, so the misses of contexts forgotten together double
@@ -991,7 +992,7 @@ class RecentContexts:
             self._num_tokens -= len(dropped)
             if isinstance(dropped_key, tuple):
                 self._num_wholes -= 1
-            elif self.limit < self.max_contexts:
+            elif len(held) >= self.limit < self.max_contexts:  # forgotten for the count
                 ghosts[dropped_key] = None
         while len(ghosts) > self.max_contexts - self.limit:
             ghosts.popitem(last=False)
