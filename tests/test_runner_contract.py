@@ -236,3 +236,43 @@ def test_a_requests_hash_is_its_whole_contexts_from_scratch_or_from_its_parents_
             Request(None, context)
         )
     assert context_hash(tokens) != context_hash((7, *tokens[1:]))  # the first token counts
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 49152), (64, 1000), (5, 4099)])
+def test_logits_a_runner_owns_are_normalized_in_place_as_the_same_bits(shape):
+    """A model's fresh float32 logits become the rows where they lie: the bits of the
+    out-of-place log-softmax, a plain tensor callers may write to (also from inference
+    mode), and the input's memory."""
+    from genlm_backend.llm.runner import fit_to_vocab
+
+    generator = torch.Generator().manual_seed(shape[0] * shape[1])
+    source = 8 * torch.randn(shape, generator=generator)
+    expected = torch.log_softmax(source, dim=-1)
+    with torch.inference_mode():
+        logits = source.clone()
+        rows = fit_to_vocab(logits, shape[1], own=True)
+    assert rows.data_ptr() == logits.data_ptr() and not rows.is_inference()
+    assert torch.equal(rows, expected)
+    assert torch.equal(fit_to_vocab(source, shape[1]), expected)  # not owned: a new tensor
+    rows[0].fill_(0.0)  # the caller's row
+    assert torch.equal(rows[1:], expected[1:])
+
+
+@pytest.mark.parametrize(
+    "columns, dtype", [(12, torch.float32), (8, torch.float32), (10, torch.bfloat16)]
+)
+def test_logits_of_another_width_or_dtype_are_fitted_anew_even_when_owned(columns, dtype):
+    """Owned logits the vocabulary does not fit exactly (or not float32) take the plain
+    path: columns dropped and renormalized, or padded with -inf; the logits unchanged."""
+    from genlm_backend.llm.runner import fit_to_vocab
+
+    logits = torch.randn(3, columns, generator=torch.Generator().manual_seed(columns)).to(dtype)
+    before = logits.clone()
+    rows = fit_to_vocab(logits, 10, own=True)
+    assert rows.shape == (3, 10) and rows.dtype == torch.float32
+    assert torch.equal(logits, before)
+    kept = logits.float()[:, :10]
+    expected = torch.log_softmax(kept, -1)
+    if columns < 10:  # missing columns: -inf
+        expected = torch.cat([expected, torch.full((3, 10 - columns), -torch.inf)], dim=-1)
+    assert torch.equal(rows, expected)

@@ -216,14 +216,31 @@ class Runner(Protocol):
         """Release the model; later calls are not made."""
 
 
-def fit_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def fit_to_vocab(logits: torch.Tensor, vocab_size: int, own: bool = False) -> torch.Tensor:
     """``[B, V_model]`` logits -> ``[B, vocab_size]`` float32 log-probabilities.
 
     Columns past the tokenizer's vocabulary are dropped (the rest renormalized);
     missing columns are ``-inf``. The result is a plain tensor even in inference mode: callers
     are handed its rows, and may write to them.
+
+    ``own``: the logits are the caller's to overwrite (a model's fresh output,
+    which nothing else holds). Float32 logits of exactly ``vocab_size`` columns on
+    the CPU are then normalized where they lie, as the same bits: no second
+    ``[B, V]`` buffer, and the logits are read back while the head's product
+    still has them in cache (``benchmarks/bench_engine.py``'s step). Inference
+    tensors are first viewed as plain ones (``torch.from_dlpack``), so callers
+    may still write to their rows.
     """
     with torch.inference_mode(False):
+        if (
+            own
+            and logits.dtype == torch.float32
+            and logits.shape[-1] == vocab_size
+            and logits.device.type == "cpu"
+            and not logits.requires_grad
+        ):
+            plain = torch.from_dlpack(logits) if logits.is_inference() else logits
+            return torch.log_softmax(plain, dim=-1, out=plain)
         logits = logits.float()
         num_columns = logits.shape[-1]
         if num_columns > vocab_size:

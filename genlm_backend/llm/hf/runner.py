@@ -284,7 +284,8 @@ class TransformersExecutor:
     ) -> tuple[torch.Tensor, KVBlock]:
         """``[len(plan.reads), vocab_size]`` log-probabilities in the order of ``plan.reads``, and
         the block written; the logits from ``model_logits`` (``None``: :meth:`model_logits`,
-        the transformers model's forward)."""
+        the transformers model's forward), a fresh tensor of the pass's own, which
+        :func:`~genlm_backend.llm.runner.fit_to_vocab` normalizes in place."""
         device, dtype = self.placement()
         inputs = planner.pass_inputs(plan, self.max_positions)
         block = plan.extends if plan.extends is not None else self._block_with_pasts(plan, inputs)
@@ -300,7 +301,7 @@ class TransformersExecutor:
             reads=_read_positions(plan, device) if plan.num_new > 1 else None,
         )
         logits = (model_logits or self.model_logits)(pass_)  # [len(plan.reads), V_model]
-        return fit_to_vocab(logits, self.vocab_size), block
+        return fit_to_vocab(logits, self.vocab_size, own=True), block
 
     def placement(self) -> tuple[torch.device, torch.dtype]:
         """The model's device and dtype (transformers reads them off its parameters at each
@@ -477,7 +478,9 @@ class ModelPass:
 
 
 ModelLogits = Callable[[ModelPass], torch.Tensor]
-"""How an executor gets a pass's logits, ``[R, V_model]``, from its :class:`ModelPass`."""
+"""How an executor gets a pass's logits, ``[R, V_model]``, from its :class:`ModelPass`: a fresh
+tensor, which :meth:`TransformersExecutor.forward` normalizes in place (never a buffer that
+a later pass writes again, such as a captured graph's output)."""
 
 
 class FusedExecutor:

@@ -173,7 +173,7 @@ def _to_logprobs(logits: mx.array, vocab_size: int) -> torch.Tensor:
     """``[B, V_model]`` MLX logits -> ``[B, vocab_size]`` float32 torch log-probabilities on the CPU."""
     logits = logits.astype(mx.float32)
     mx.eval(logits)
-    return fit_to_vocab(torch.from_numpy(np.array(logits, copy=True)), vocab_size)
+    return fit_to_vocab(torch.from_numpy(np.array(logits, copy=True)), vocab_size, own=True)
 
 
 def _probe_layout(model) -> KVLayout:
