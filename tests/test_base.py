@@ -532,7 +532,7 @@ def test_a_kept_block_leaves_the_budget_with_its_last_row():
     cache.put(("c", 0), torch.randn(50))  # a block of one more row
     # Evicting a1..a3 and b0 frees nothing (a0 keeps the first block, b1 the second);
     # evicting b1 frees the second block, and then c0 fits.
-    assert list(cache._entries) == [("a", 0), ("c", 0)]
+    assert cache.keys() == [("a", 0), ("c", 0)]
     assert cache.stats.bytes_held == 5 * 50 * 4 and cache.stats.num_evictions == 5
     torch.testing.assert_close(cache[("a", 0)], first[0], atol=0, rtol=0)
 
@@ -595,7 +595,7 @@ def test_get_many_is_get_for_each_key_in_order():
     assert together.stats == one_by_one.stats  # 3 hits, 1 miss
     for cache in (one_by_one, together):
         cache["d"] = torch.zeros(4)  # evicts the least recently used: "b", not "c" or "a"
-    assert list(together._entries) == list(one_by_one._entries) == ["c", "a", "d"]
+    assert together.keys() == one_by_one.keys() == ["c", "a", "d"]
 
 
 # ---------------------------------------------------------------- lifecycle and errors

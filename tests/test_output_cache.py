@@ -15,7 +15,7 @@ WIDTH = 4
 def state(cache: OutputCache) -> tuple:
     """What a cache holds, in its order: keys with their rows' values, bytes, blocks."""
     return (
-        [(key, cache._entries[key][1]) for key in cache._entries],
+        [(key, cache._entries[hash(key)][1]) for key in cache],
         cache._bytes_held,
         sorted(held[0] for held in cache._blocks.values()),
         cache._num_evictions,
@@ -68,7 +68,7 @@ def test_making_room_for_bytes_takes_the_oldest_rows_block_whole():
     cache.put_rows(["b1", "b2"], second.unbind(0), second)
     assert torch.equal(cache.get("a1"), first[0])  # a1 used last; a2 is the oldest row
     cache.put_rows(["c1", "c2"], third.unbind(0), third)
-    assert list(cache._entries) == ["b1", "b2", "c1", "c2"]
+    assert cache.keys() == ["b1", "b2", "c1", "c2"]
     assert cache.stats.num_evictions == 2 and cache.stats.bytes_held == cache.budget_bytes
     assert torch.equal(cache.get("b2"), second[1]) and torch.equal(cache.get("c1"), third[0])
 
@@ -131,14 +131,14 @@ def test_the_limit_always_holds_two_of_the_largest_outputs():
     cache = OutputCache(64 * BLOCK_BYTES, keep_views=True, initial_bytes=BLOCK_BYTES // 2)
     blocks = _steps(cache, ["a", "b", "c"])
     assert cache.stats.limit_bytes == 2 * BLOCK_BYTES
-    assert list(cache._entries) == ["b0", "b1", "c0", "c1"]  # a step and the last one
+    assert cache.keys() == ["b0", "b1", "c0", "c1"]  # a step and the last one
     assert torch.equal(cache.get("b1"), blocks[1][1])
     large = torch.zeros(16, WIDTH)  # larger than the budget's share: stored, limit raised
     cache.put_rows([f"x{i}" for i in range(16)], large.unbind(0), large)
     assert cache.stats.limit_bytes == 2 * large.nbytes and "x15" in cache
     huge = OutputCache(BLOCK_BYTES, keep_views=True, initial_bytes=0)
     _steps(huge, ["a", "b"])
-    assert huge.stats.limit_bytes == BLOCK_BYTES and list(huge._entries) == ["b0", "b1"]
+    assert huge.stats.limit_bytes == BLOCK_BYTES and huge.keys() == ["b0", "b1"]
 
 
 @settings(max_examples=40, deadline=None)
@@ -184,3 +184,34 @@ def test_evicted_keys_are_remembered_within_a_count_too(monkeypatch):
     assert len(cache._ghosts) == 8 and len(cache) == 2
     assert cache.get("k37") is None and cache.stats.limit_bytes == 2 << 10  # remembered
     assert cache.get("k0") is None and cache.stats.limit_bytes == 2 << 10  # forgotten
+
+
+class _Colliding:
+    """A key whose hash every other such key shares."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Colliding) and other.name == self.name
+
+
+def test_keys_of_one_hash_never_get_each_others_rows():
+    """Entries are held by their key's hash: of two keys sharing one, the later put is held,
+    and the other misses (as a key never put), put one by one or as a step's rows."""
+    for keep_views in (False, True):
+        cache = OutputCache(1 << 20, keep_views=keep_views)
+        first, second = torch.zeros(WIDTH), torch.ones(WIDTH)
+        cache.put(_Colliding("a"), first)
+        assert torch.equal(cache.get(_Colliding("a")), first) and _Colliding("a") in cache
+        cache.put(_Colliding("b"), second)
+        assert cache.get(_Colliding("a")) is None and _Colliding("a") not in cache
+        assert torch.equal(cache.get(_Colliding("b")), second) and len(cache) == 1
+        block = torch.stack([first, second])
+        cache.put_rows([_Colliding("c"), _Colliding("d")], block.unbind(0), block)
+        assert len(cache) == 1 and cache.get(_Colliding("c")) is None
+        assert torch.equal(cache.get(_Colliding("d")), second)
+        assert cache.discard_if(lambda key: key.name == "d") == 1 and len(cache) == 0

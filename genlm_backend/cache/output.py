@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,19 +106,26 @@ class OutputCache:
         )
         # Hashes of keys evicted below the budget -> their share of their storage's bytes,
         # oldest first, as many as the budget beyond the limit would hold (_ghost_bytes).
-        self._ghosts: OrderedDict[int, float] = OrderedDict()
+        # Plain dicts here and below, in insertion order: a step's keys enter at C speed.
+        self._ghosts: dict[int, float] = {}
         self._ghost_bytes = 0.0
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
         self.keep_views = keep_views
-        self._devices: dict[Hashable, torch.device] = {}  # of entries moved to the CPU
-        # key -> (storage address, row): row >= 0 is a row of the block held at that
+        # Entries are held by their key's hash, an int, and the key beside it: a key's
+        # Python-level __hash__ (a request's) runs once a lookup and once a store, not at
+        # every dict and set operation on it. A key whose hash another held key has
+        # replaces it (two keys of one 64-bit hash: one is held).
+        # hash -> (storage address, row): row >= 0 is a row of the block held at that
         # address; row < 0, the tensor in _tensors. Tuples of ints: the garbage collector
         # stops tracking them, so a full cache costs a collection nothing per row.
-        self._entries: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
-        self._tensors: dict[Hashable, torch.Tensor] = {}
-        self._versions: dict[Hashable, int] = {}  # of views in _tensors: their block's then
-        # storage address -> [bytes, keys of its entries, block tensor or None, its version]
+        # In use order, least recent first (a hit is popped and inserted again).
+        self._entries: dict[int, tuple[int, int]] = {}
+        self._keys: dict[int, Hashable] = {}
+        self._devices: dict[int, torch.device] = {}  # of entries moved to the CPU
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._versions: dict[int, int] = {}  # of views in _tensors: their block's then
+        # storage address -> [bytes, hashes of its entries, block tensor or None, its version]
         self._blocks: dict[int, list] = {}
         self._bytes_held = 0
         self._lock = threading.Lock()
@@ -137,38 +144,43 @@ class OutputCache:
         whose misses go on to a step that looks them up again, and counts them there).
         """
         values: list[torch.Tensor | None] = [None] * len(keys)
+        hashes = list(map(hash, keys))
         with self._lock:
             entries = self._entries
-            held = list(map(entries.get, keys))  # an entry is a pair: true when found
+            held = list(map(entries.get, hashes))  # an entry is a pair: true when found
             if self._ghosts and not all(held):
-                self._grow_if_evicted(key for key, entry in zip(keys, held) if entry is None)
+                self._grow_if_evicted([h for h, entry in zip(hashes, held) if entry is None])
             num_hits = 0
             if any(held):  # else (a step's new contexts) no key is looked at again
-                for i, (key, entry) in enumerate(zip(keys, held)):
+                for i, (h, entry) in enumerate(zip(hashes, held)):
                     if entry is None:
                         continue
-                    value = self._value(key, entry)
+                    key, stored = keys[i], self._keys[h]
+                    if stored is not key and stored != key:
+                        continue  # another key of its hash
+                    value = self._value(h, entry)
                     if value is None:
-                        self._drop(key, evicted=False)  # its block was written to since
+                        self._drop(h, evicted=False)  # its block was written to since
                         continue
-                    entries.move_to_end(key)
+                    entries[h] = entries.pop(h)  # the most recently used
                     values[i] = value
                     num_hits += 1
             self._num_hits += num_hits
             if count_misses:
                 self._num_misses += len(values) - num_hits
-            if not self._devices:
+            devices = self._devices
+            if not devices:
                 return values
             return [
-                value if value is None or key not in self._devices else value.to(self._devices[key])
-                for key, value in zip(keys, values)
+                value if value is None or h not in devices else value.to(devices[h])
+                for h, value in zip(hashes, values)
             ]
 
-    def _grow_if_evicted(self, missed: Iterable[Hashable]) -> None:
-        """Double the limit (up to the budget) if one of the keys ``missed`` was evicted within
-        what the budget would hold; past the budget, no evicted key is remembered (lock held)."""
+    def _grow_if_evicted(self, missed: Iterable[int]) -> None:
+        """Double the limit (up to the budget) if one of the keys of hashes ``missed`` was evicted
+        within what the budget would hold; past the budget, no evicted key is remembered (lock held)."""
         ghosts = self._ghosts
-        found = [ghost for ghost in map(hash, missed) if ghost in ghosts]
+        found = [ghost for ghost in missed if ghost in ghosts]
         if not found:
             return
         for ghost in found:
@@ -183,37 +195,47 @@ class OutputCache:
             self._limit_bytes = min(self.budget_bytes, 2 * nbytes)
             self._forget_ghosts()
 
-    def _remember_evicted(self, keys: Iterable[Hashable], nbytes: float) -> None:
-        """Remember the hashes of ``keys``, evicted from a storage of ``nbytes``, while the limit
-        is below the budget (lock held)."""
+    def _remember_evicted(self, hashes: Iterable[int], nbytes: float) -> None:
+        """Remember ``hashes``, of keys evicted from a storage of ``nbytes``, while the limit is
+        below the budget (lock held)."""
         if self._limit_bytes >= self.budget_bytes:
             return
-        keys = list(keys)
-        share = nbytes / max(1, len(keys))
+        hashes = list(hashes)
+        share = nbytes / max(1, len(hashes))
         ghosts = self._ghosts
-        for ghost in map(hash, keys):
-            self._ghost_bytes += share - ghosts.pop(ghost, 0.0)
-            ghosts[ghost] = share
+        for ghost in ghosts.keys() & hashes:  # evicted before: remembered anew, as the newest
+            self._ghost_bytes -= ghosts.pop(ghost)
+        ghosts.update(zip(hashes, itertools.repeat(share)))  # each a C-level step
+        self._ghost_bytes += share * len(hashes)
         self._forget_ghosts()
 
     def _forget_ghosts(self) -> None:
         """Forget the oldest ghosts beyond what the budget would hold past the limit, and beyond
         :data:`MAX_GHOSTS` (lock held)."""
         ghosts = self._ghosts
-        room = self.budget_bytes - self._limit_bytes
-        while ghosts and (self._ghost_bytes > room or len(ghosts) > MAX_GHOSTS):
-            self._ghost_bytes -= ghosts.popitem(last=False)[1]
-        if not ghosts:
-            self._ghost_bytes = 0.0
+        excess_bytes = self._ghost_bytes - (self.budget_bytes - self._limit_bytes)
+        excess_count = len(ghosts) - MAX_GHOSTS
+        if excess_bytes <= 0 and excess_count <= 0:
+            return
+        forgotten: list[int] = []
+        forgotten_bytes = 0.0
+        for ghost, share in ghosts.items():  # oldest first
+            if forgotten_bytes >= excess_bytes and len(forgotten) >= excess_count:
+                break
+            forgotten.append(ghost)
+            forgotten_bytes += share
+        _drain(map(ghosts.pop, forgotten))
+        self._ghost_bytes = self._ghost_bytes - forgotten_bytes if ghosts else 0.0
 
-    def _value(self, key: Hashable, entry: tuple[int, int]) -> torch.Tensor | None:
-        """The tensor of an entry, ``None`` if its block was written to since it was stored."""
+    def _value(self, h: int, entry: tuple[int, int]) -> torch.Tensor | None:
+        """The tensor of the entry of hash ``h``, ``None`` if its block was written to since it
+        was stored."""
         address, row = entry
         if row >= 0:
             _, _, block, version = self._blocks[address]
             return block[row] if version is None or block._version == version else None
-        value = self._tensors[key]
-        version = self._versions.get(key)
+        value = self._tensors[h]
+        version = self._versions.get(h)
         return value if version is None or value._version == version else None
 
     def put(self, key: Hashable, value: torch.Tensor) -> None:
@@ -245,12 +267,12 @@ class OutputCache:
             for key, value, device in kept:
                 storage = value.untyped_storage()
                 self._room_for(storage.nbytes())
-                self._store(key, storage.data_ptr(), -1, storage.nbytes(), None)
-                self._tensors[key] = value
+                h = self._store(key, storage.data_ptr(), -1, storage.nbytes(), None)
+                self._tensors[h] = value
                 if _tracks_writes(value):
-                    self._versions[key] = value._version
+                    self._versions[h] = value._version
                 if device is not None:
-                    self._devices[key] = device
+                    self._devices[h] = device
 
     def put_rows(
         self, keys: Sequence[Hashable], rows: Sequence[torch.Tensor], block: torch.Tensor
@@ -288,7 +310,8 @@ class OutputCache:
         (a step's fresh output): room made once, the entries added together; ``False``
         (nothing done) otherwise (lock held)."""
         entries, maxsize = self._entries, self.maxsize
-        unique = set(keys)
+        hashes = list(map(hash, keys))
+        unique = set(hashes)
         if len(unique) != len(keys) or (maxsize is not None and len(keys) > maxsize):
             return False
         if address in self._blocks or not entries.keys().isdisjoint(unique):
@@ -302,7 +325,8 @@ class OutputCache:
                 break
         self._blocks[address] = [nbytes, unique, *block]
         self._bytes_held += nbytes
-        entries.update(zip(keys, zip(itertools.repeat(address), range(len(keys)))))
+        entries.update(zip(hashes, zip(itertools.repeat(address), range(len(keys)))))
+        self._keys.update(zip(hashes, keys))
         return True
 
     def _copies(self, value: torch.Tensor) -> bool:
@@ -319,11 +343,12 @@ class OutputCache:
         row: int,
         nbytes: int,
         block: tuple[torch.Tensor, int | None] | None,
-    ) -> None:
+    ) -> int:
         """Hold ``key``'s entry ``(address, row)``, whose storage is ``nbytes`` at ``address``
         (``block``: the tensor held there and its version, for a row of it), evicting to
-        make room (lock held)."""
-        self._drop(key, evicted=False)
+        make room (lock held); returns the key's hash."""
+        h = hash(key)
+        self._drop(h, evicted=False)
         held = self._blocks.get(address)
         size = 0 if held is not None else nbytes
         while self._entries:
@@ -340,24 +365,27 @@ class OutputCache:
             self._bytes_held += nbytes
         if block is not None and held[2] is None:
             held[2], held[3] = block
-        held[1].add(key)
-        self._entries[key] = (address, row)
+        held[1].add(h)
+        self._entries[h] = (address, row)
+        self._keys[h] = key
+        return h
 
-    def _drop(self, key: Hashable, evicted: bool) -> None:
-        """Forget ``key``'s entry, if any; its block goes with its last row (lock held)."""
-        entry = self._entries.pop(key, None)
+    def _drop(self, h: int, evicted: bool) -> None:
+        """Forget the entry of hash ``h``, if any; its block goes with its last row (lock held)."""
+        entry = self._entries.pop(h, None)
         if entry is None:
             return
-        self._devices.pop(key, None)
+        del self._keys[h]
+        self._devices.pop(h, None)
         self._num_evictions += evicted
         address, row = entry
         if row < 0:
-            del self._tensors[key]
-            self._versions.pop(key, None)
+            del self._tensors[h]
+            self._versions.pop(h, None)
         held = self._blocks[address]
-        held[1].discard(key)
+        held[1].discard(h)
         if evicted:
-            self._remember_evicted((key,), held[0] if row < 0 else held[0] / (len(held[1]) + 1))
+            self._remember_evicted((h,), held[0] if row < 0 else held[0] / (len(held[1]) + 1))
         if not held[1]:
             del self._blocks[address]
             self._bytes_held -= held[0]
@@ -365,28 +393,27 @@ class OutputCache:
     def _evict_oldest(self, whole_block: bool) -> None:
         """Evict the least recently used entry; with ``whole_block``, a row goes with the rest
         of its block, whose bytes go only with its last row (lock held)."""
-        key = next(iter(self._entries))
-        address, row = self._entries[key]
+        h = next(iter(self._entries))
+        address, row = self._entries[h]
         if whole_block and row >= 0:
-            nbytes, keys, _, _ = self._blocks[address]
-            self._num_evictions += len(keys)
-            self._remember_evicted(keys, nbytes)
+            nbytes, hashes, _, _ = self._blocks[address]
+            self._num_evictions += len(hashes)
+            self._remember_evicted(hashes, nbytes)
             self._drop_block(address)
         else:
-            self._drop(key, evicted=True)
+            self._drop(h, evicted=True)
 
     def _drop_block(self, address: int) -> None:
         """Forget every entry of the block held at ``address``, and the block (lock held):
         :meth:`_drop` of each, in one pass."""
-        nbytes, keys, _, _ = self._blocks.pop(address)
+        nbytes, hashes, _, _ = self._blocks.pop(address)
         self._bytes_held -= nbytes
-        entries, devices = self._entries, self._devices
-        for key in keys:
-            if entries.pop(key)[1] < 0:  # a tensor of its own at this address
-                del self._tensors[key]
-                self._versions.pop(key, None)
-            if devices:
-                devices.pop(key, None)
+        # Each a C-level loop over the block's entries (a step's rows).
+        _drain(map(self._entries.pop, hashes))
+        _drain(map(self._keys.pop, hashes))
+        for of_entries in (self._tensors, self._versions, self._devices):
+            if of_entries:  # tensors of their own at this address
+                _drain(map(of_entries.pop, hashes, itertools.repeat(None)))
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
         value = self.get(key)
@@ -400,14 +427,23 @@ class OutputCache:
     def discard_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Drop every entry whose key satisfies ``predicate``; returns how many were dropped."""
         with self._lock:
-            doomed = [key for key in self._entries if predicate(key)]
-            for key in doomed:
-                self._drop(key, evicted=False)
+            doomed = [h for h, key in self._keys.items() if predicate(key)]
+            for h in doomed:
+                self._drop(h, evicted=False)
         return len(doomed)
+
+    def keys(self) -> list[Hashable]:
+        """The keys held, least recently used first."""
+        with self._lock:
+            return list(map(self._keys.__getitem__, self._entries))
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self.keys())
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._keys.clear()
             self._tensors.clear()
             self._versions.clear()
             self._devices.clear()
@@ -420,7 +456,8 @@ class OutputCache:
         return len(self._entries)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        stored = self._keys.get(hash(key), _ABSENT)
+        return stored is key or (stored is not _ABSENT and stored == key)
 
     @property
     def stats(self) -> OutputCacheStats:
@@ -434,6 +471,11 @@ class OutputCache:
                 budget_bytes=self.budget_bytes,
                 limit_bytes=self._limit_bytes,
             )
+
+
+_ABSENT = object()
+_drain: Callable[[Iterable], None] = collections.deque(maxlen=0).extend
+"""Exhausts an iterator at C speed."""
 
 
 def _tracks_writes(value: torch.Tensor) -> bool:
