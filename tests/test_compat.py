@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from genlm_backend.llm.hf.compat import check_transformers_version
 from genlm_backend.llm.vllm.compat import check_vllm_version
@@ -44,3 +45,53 @@ def test_grouped_attention_switches_the_config_and_restores_it(kind):
     config._attn_implementation = "eager"
     with grouped_kv_attention(config):
         assert config._attn_implementation == "eager"
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32), (5, 1, 32), (3, 4, 32), (64, 32)])
+def test_a_vocabulary_major_head_gives_the_plain_heads_bits_and_is_restored(shape):
+    """While active, a CPU float32 head without bias computes weight @ rows.T: the plain head's
+    logits within rounding (MKL sums a few rows' products in another order: 5e-5 apart at
+    most for 576-wide rows of unit normals), in the plain head's shape; the module's own
+    forward after, also when the pass raises."""
+    from genlm_backend.llm.hf.compat import head_vocabulary_major
+
+    generator = torch.Generator().manual_seed(len(shape))
+    head = torch.nn.Linear(32, 1000, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1000, 32, generator=generator))
+    hidden = torch.randn(shape, generator=generator)
+    model = _Model(head)
+    with torch.inference_mode():
+        expected = head(hidden)
+        with head_vocabulary_major(model):
+            assert "forward" in vars(head)
+            logits = head(hidden)
+        assert "forward" not in vars(head)
+    assert logits.shape == expected.shape and logits.is_contiguous()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="a failing pass"), head_vocabulary_major(model):
+        raise RuntimeError("a failing pass")
+    assert "forward" not in vars(head)
+
+
+@pytest.mark.parametrize("kind", ["bias", "bfloat16", "not a Linear"])
+def test_other_heads_are_left_alone(kind):
+    from genlm_backend.llm.hf.compat import head_vocabulary_major
+
+    if kind == "not a Linear":
+        head: torch.nn.Module = torch.nn.Embedding(10, 4)
+    else:
+        head = torch.nn.Linear(4, 10, bias=kind == "bias")
+        if kind == "bfloat16":
+            head = head.to(torch.bfloat16)
+    with head_vocabulary_major(_Model(head)):
+        assert "forward" not in vars(head)

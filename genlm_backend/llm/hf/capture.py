@@ -207,7 +207,7 @@ def decode_one_token(
     attention = strategy.step_attention(
         levels, graph.offsets, (inputs[_SPLITS], firsts, writes), num_groups, storage.shape[4]
     )
-    with grouped_kv_attention(config), attending(attention), strategy.products():
+    with grouped_kv_attention(config), attending(attention), strategy.products(model):
         output = model(
             input_ids=inputs[_TOKENS, :, None],
             attention_mask=mask,

@@ -80,6 +80,44 @@ def head_sees_only(model, reads: tuple[torch.Tensor, torch.Tensor] | None):
         handle.remove()
 
 
+@contextmanager
+def head_vocabulary_major(model):
+    """While active, a plain float32 ``nn.Linear`` output head without bias on the CPU computes
+    its logits as ``weight @ hidden.T`` (the vocabulary as the product's long side), copied
+    into rows: ``F.linear``'s logits within rounding (for a few rows MKL sums their products
+    in another order; the same bits at one row and at 12 and 64 rows here).
+
+    MKL's product with the rows as the short side takes 1.2x to 1.3x as long at
+    64 rows and 1 to 1.1x at one row, a 49,152-token vocabulary of width 256 or
+    576 (``benchmarks/bench_engine.py``'s step; BENCHMARKS.md). Any other head is
+    left alone.
+    """
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if (
+        type(head) is not torch.nn.Linear
+        or head.bias is not None
+        or not isinstance(weight, torch.Tensor)
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or "forward" in vars(head)  # already replaced (a pass within a pass)
+    ):
+        yield
+        return
+    head.forward = functools.partial(_vocabulary_major_product, weight)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _vocabulary_major_product(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``F.linear(hidden, weight)``, computed as ``(weight @ rows.T).T``, made contiguous."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    logits = torch.mm(weight, rows.T).T.contiguous()
+    return logits.view(*hidden.shape[:-1], weight.shape[0])
+
+
 _GROUPED_SDPA = "genlm_sdpa_grouped_kv"
 
 

@@ -63,8 +63,9 @@ class RowStrategy(Protocol):
         """The attention of a captured one-token step, made on the device from its inputs:
         ``(splits, firsts, writes)`` per row (tokens read as levels, first and written slot)."""
 
-    def products(self) -> contextlib.AbstractContextManager:
-        """Active around every forward pass (eager or captured)."""
+    def products(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Active around every forward pass of ``model`` (eager or captured): how its matrix
+        products compute."""
 
     def attach(self, model: torch.nn.Module) -> None:
         """The model changed (an adapter loaded): whatever the strategy hooks on it, again."""

@@ -44,6 +44,7 @@ from genlm_backend.llm.hf.compat import (
     check_transformers_version,
     grouped_kv_attention,
     head_sees_only,
+    head_vocabulary_major,
     kv_shape,
     max_positions,
     shared_levels_unsupported,
@@ -328,7 +329,7 @@ class TransformersExecutor:
             grouped_kv_attention(self.decoder_config()),
             attending(pass_.attention),
             head_sees_only(model, reads),
-            self.strategy.products(),
+            self.strategy.products(model),
         ):
             output = model(
                 input_ids=pass_.input_ids,
@@ -584,8 +585,8 @@ class PlainRows:
     def step_attention(self, levels, offsets, inputs, num_groups, num_slots):
         return Levels(levels) if levels else None
 
-    def products(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def products(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return head_vocabulary_major(model)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Nothing hooked."""

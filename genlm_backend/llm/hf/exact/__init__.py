@@ -167,7 +167,7 @@ class ExactRows:
         )
 
     @contextlib.contextmanager
-    def products(self):
+    def products(self, model: torch.nn.Module):
         """While active, projections compute at least 16 rows, and (where the fused kernels
         run) a norm's mean one row per program."""
         self.padded_matmuls.active = True
