@@ -1,96 +1,178 @@
 """The output head and the log-softmax on the CPU: how the runner computes them against the plain way.
 
-For a step of R rows of width H over a V-token vocabulary (float32), in turns
-in one process, ``--repeats`` times each, the median of each:
+Two measures, in one process:
 
-* ``linear``: ``F.linear(hidden, weight)``, a transformers head's product;
-* ``vocabulary-major``: ``(weight @ hidden.T).T`` made contiguous, the
-  runner's product on the CPU (``genlm_backend.llm.hf.compat.head_vocabulary_major``);
-* with ``--softmax``, each followed by the log-softmax: into a new tensor
-  (``torch.log_softmax(logits, -1)``, what a plain loop does) for ``linear``,
-  and where the logits lie (``out=logits``, the runner's
-  ``fit_to_vocab(..., own=True)``) for ``vocabulary-major``.
+* **The runner's step** (``--prompts``): ``HFRunner.run`` of 64 particles
+  behind a T-token prompt (``bench_engine.py``'s 2-layer Llama, SmolLM2's
+  49,152-token vocabulary, each particle taking the row's argmax), the way
+  of computing the head and the log-softmax switched at every step of one
+  run (so the machine's drift and the allocator's state are shared), the
+  rows of the last two steps held as the engine's output cache holds them:
 
-Also the largest difference between the two products' logits (they agree
-within rounding; MKL sums a few rows' products in another order).
+  * ``runner``: as the runner computes them on the CPU: the head as
+    ``weight @ hidden.T`` copied into rows
+    (``genlm_backend.llm.hf.compat.head_vocabulary_major``), the log-softmax
+    written into the logits (``fit_to_vocab(..., own=True)``);
+  * ``plain``: transformers' head (``F.linear``) and the log-softmax into a
+    new tensor, as a plain decode loop computes them;
+  * ``head only`` / ``in place only``: one of the two.
 
-    python benchmarks/bench_head.py                       # widths 256 and 576, 1 / 16 / 64 rows
-    python benchmarks/bench_head.py --softmax --rows 64
+  The median step of each, over ``--runs`` runs of 36 timed steps shared
+  out among them.
+* **The product alone** (``--widths``, ``--rows``): ``F.linear(hidden, weight)``
+  against ``(weight @ hidden.T).T`` made contiguous, in turns, ``--repeats``
+  times, the median of each, and the largest difference between their
+  logits (they agree within rounding: MKL sums a few rows' products in
+  another order). Alone, the two products' times swing with the machine more
+  than in a step.
+
+    python benchmarks/bench_head.py                      # both
+    python benchmarks/bench_head.py --prompts 64 --runs 4 --widths
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import statistics
+import sys
 import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+WAYS = ("runner", "plain", "head only", "in place only")
+NUM_PARTICLES = 64
+NUM_STEPS = 40
+NUM_WARM_UP_STEPS = 4
+NUM_HELD = 2
+"""Steps whose rows stay alive, as the engine's output cache holds the last steps' blocks at
+its first limit (so a step's output is new memory, not the last step's)."""
 
 
-def _linear(weight, hidden, softmax: bool):
-    import torch
+def runner_steps(prompt_tokens: int, runs: int) -> dict[str, list[float]]:
+    """Each way's step times (seconds), the way switched at every step of each run."""
+    from bench_engine import small_llama
+    from bench_long_prompt import token_draws
 
-    logits = torch.nn.functional.linear(hidden, weight)
-    return torch.log_softmax(logits, -1) if softmax else logits
+    from genlm_backend.cache.kv_tree import untracked
+    from genlm_backend.llm import runner as runner_module
+    from genlm_backend.llm.hf import AsyncTransformer
+    from genlm_backend.llm.hf import runner as hf_runner
+    from genlm_backend.llm.runner import Request
+
+    model = small_llama()
+    vocab = model.config.vocab_size
+    prompt, own = token_draws(vocab, NUM_PARTICLES, 1, prompt_tokens)
+    head, fit = hf_runner.head_vocabulary_major, runner_module.fit_to_vocab
+
+    def plain_head(model):
+        return contextlib.nullcontext()
+
+    def new_tensor(logits, vocab_size, own=False):
+        return fit(logits, vocab_size)
+
+    ways = {
+        "runner": (head, fit),
+        "plain": (plain_head, new_tensor),
+        "head only": (head, new_tensor),
+        "in place only": (plain_head, fit),
+    }
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        for run in range(runs):
+            llm = AsyncTransformer(model, None, byte_vocab=[b"<%d>" % i for i in range(vocab)])
+            runner = llm.runner
+            runner.run([Request(None, tuple(prompt))])
+            contexts = [untracked((*prompt, first)) for first, *_ in own]
+            parents: list = [None] * len(contexts)
+            held: list = []
+            for step in range(NUM_STEPS):
+                way = WAYS[(step + run) % len(WAYS)]
+                hf_runner.head_vocabulary_major, hf_runner.fit_to_vocab = ways[way]
+                requests = [Request(None, c, p) for c, p in zip(contexts, parents)]
+                start = time.perf_counter()
+                rows = runner.run(requests)
+                chosen = rows.argmax(-1).tolist()
+                if step >= NUM_WARM_UP_STEPS:
+                    times[way].append(time.perf_counter() - start)
+                held = [*held[1 - NUM_HELD :], rows]  # as the engine's output cache holds them
+                del rows
+                parents = contexts
+                contexts = [untracked((*c, token)) for c, token in zip(contexts, chosen)]
+            llm.close()
+    finally:
+        hf_runner.head_vocabulary_major, hf_runner.fit_to_vocab = head, fit
+    return times
 
 
-def _vocabulary_major(weight, hidden, softmax: bool):
+def products(widths: list[int], rows: list[int], vocab: int, repeats: int) -> None:
     import torch
 
     from genlm_backend.llm.hf.compat import _vocabulary_major_product
 
-    logits = _vocabulary_major_product(weight, hidden)
-    return torch.log_softmax(logits, -1, out=logits) if softmax else logits
+    generator = torch.Generator().manual_seed(0)
+    print(f"\nThe product alone: V = {vocab}, float32, median of {repeats} in turns")
+    print("| width | rows | F.linear (ms) | weight @ hidden.T (ms) | ratio | largest difference |")
+    print("|---|---|---|---|---|---|")
+    for width in widths:
+        weight = torch.randn(vocab, width, generator=generator)
+        for num_rows in rows:
+            hidden = torch.randn(num_rows, width, generator=generator)
+            plain_times, our_times = [], []
+            with torch.inference_mode():
+                plain = torch.nn.functional.linear(hidden, weight)
+                ours = _vocabulary_major_product(weight, hidden)
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    torch.nn.functional.linear(hidden, weight)
+                    middle = time.perf_counter()
+                    _vocabulary_major_product(weight, hidden)
+                    plain_times.append(middle - start)
+                    our_times.append(time.perf_counter() - middle)
+            plain_ms, our_ms = (1e3 * statistics.median(t) for t in (plain_times, our_times))
+            difference = (plain - ours).abs().max().item()
+            print(
+                f"| {width} | {num_rows} | {plain_ms:.2f} | {our_ms:.2f} | "
+                f"{plain_ms / our_ms:.2f}x | {difference:.1e} |"
+            )
 
 
 def main(argv=None) -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", type=int, nargs="+", default=[256, 576])
+    parser.add_argument("--prompts", type=int, nargs="*", default=[64, 4096])
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--widths", type=int, nargs="*", default=[256, 576])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--softmax", action="store_true", help="each product then its log-softmax")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    generator = torch.Generator().manual_seed(0)
-
-    print(
-        f"V = {args.vocab}, float32, {args.threads} threads, median of {args.repeats} in turns"
-        + (", with the log-softmax" if args.softmax else "")
-    )
-    print(
-        "| width | rows | linear (ms) | vocabulary-major (ms) | linear / vocabulary-major | largest difference |"
-    )
-    print("|---|---|---|---|---|---|")
-    for width in args.widths:
-        weight = torch.randn(args.vocab, width, generator=generator)
-        for num_rows in args.rows:
-            hidden = torch.randn(num_rows, width, generator=generator)
-
-            variants = {
-                "linear": functools.partial(_linear, weight, hidden, args.softmax),
-                "vocabulary-major": functools.partial(
-                    _vocabulary_major, weight, hidden, args.softmax
-                ),
-            }
-            times: dict[str, list[float]] = {name: [] for name in variants}
-            with torch.inference_mode():
-                for run in variants.values():  # warm-up
-                    run()
-                for _ in range(args.repeats):
-                    for name, run in variants.items():
-                        start = time.perf_counter()
-                        run()
-                        times[name].append(time.perf_counter() - start)
-                plain_logits, our_logits = (run() for run in variants.values())
-                difference = (plain_logits - our_logits).abs().max().item()
-            plain, ours = (1e3 * statistics.median(times[name]) for name in variants)
-            print(
-                f"| {width} | {num_rows} | {plain:.2f} | {ours:.2f} | {plain / ours:.2f}x "
-                f"| {difference:.1e} |"
-            )
+    if args.prompts:
+        print(
+            f"The runner's step: {NUM_PARTICLES} particles, 2-layer model, float32, "
+            f"{args.threads} threads; median over {args.runs} runs, the way switched every step"
+        )
+        print("| prompt | way | step (ms, median) | quartiles (ms) | vs plain |")
+        print("|---|---|---|---|---|")
+        for prompt_tokens in args.prompts:
+            times = runner_steps(prompt_tokens, args.runs)
+            plain = statistics.median(times["plain"])
+            for way in WAYS:
+                values = sorted(times[way])
+                quartiles = statistics.quantiles(values, n=4)
+                print(
+                    f"| {prompt_tokens} | {way} | {1e3 * statistics.median(values):.2f} "
+                    f"| {1e3 * quartiles[0]:.2f} to {1e3 * quartiles[2]:.2f} "
+                    f"| {statistics.median(values) / plain:.2f}x |"
+                )
+    if args.widths:
+        products(args.widths, args.rows, args.vocab, args.repeats)
 
 
 if __name__ == "__main__":
