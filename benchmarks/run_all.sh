@@ -12,6 +12,8 @@ python benchmarks/bench_attention.py | tee "$out/attention.md"
 python benchmarks/bench_hf.py --workloads 16x32 --repeats 5 \
     --variants floor ours ours+in_loop upstream+cache_kv | tee "$out/hf_16x32.md"
 python benchmarks/bench_request_host.py --lengths 64 1024 4097 | tee "$out/request_host.md"
+python benchmarks/bench_output_cache.py | tee "$out/output_cache.md"
+python benchmarks/bench_head.py | tee "$out/head.md"
 python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64.md"
 OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 python benchmarks/bench_hf.py --workloads 64x128 --repeats 3 \
     --variants floor ours --batch-size 64 | tee "$out/hf_64x128_b64_omp.md"
