@@ -6,6 +6,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
+import numpy.random  # numpy loads it on first use: at import here, not in a first sample
 import torch
 
 
