@@ -226,8 +226,9 @@ def fit_to_vocab(logits: torch.Tensor, vocab_size: int, own: bool = False) -> to
     ``own``: the logits are the caller's to overwrite (a model's fresh output,
     which nothing else holds). Float32 logits of exactly ``vocab_size`` columns on
     the CPU are then normalized where they lie, as the same bits: no second
-    ``[B, V]`` buffer, and the logits are read back while the head's product
-    still has them in cache (``benchmarks/bench_engine.py``'s step). Inference
+    ``[B, V]`` buffer (new memory at each step while the output cache holds the
+    last steps' rows), and the logits are read back while the head's product
+    still has them in cache (``benchmarks/bench_head.py``). Inference
     tensors are first viewed as plain ones (``torch.from_dlpack``), so callers
     may still write to their rows.
     """

@@ -87,10 +87,12 @@ def head_vocabulary_major(model):
     into rows: ``F.linear``'s logits within rounding (for a few rows MKL sums their products
     in another order; the same bits at one row and at 12 and 64 rows here).
 
-    MKL's product with the rows as the short side takes 1.2x to 1.3x as long at
-    64 rows and 1 to 1.1x at one row, a 49,152-token vocabulary of width 256 or
-    576 (``benchmarks/bench_engine.py``'s step; BENCHMARKS.md). Any other head is
-    left alone.
+    Alone, MKL's product with the rows as the short side takes 1.05x to 1.22x as
+    long at 16 and 64 rows and as long at one row, for a 49,152-token vocabulary
+    of width 256 or 576; with the log-softmax written into the logits
+    (:func:`~genlm_backend.llm.runner.fit_to_vocab`), a runner's step of 64 rows
+    is 3 to 11% shorter (``benchmarks/bench_head.py``; BENCHMARKS.md). Any other
+    head is left alone.
     """
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
