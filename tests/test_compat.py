@@ -81,6 +81,12 @@ def test_a_vocabulary_major_head_gives_the_plain_heads_bits_and_is_restored(shap
     with pytest.raises(RuntimeError, match="a failing pass"), head_vocabulary_major(model):
         raise RuntimeError("a failing pass")
     assert "forward" not in vars(head)
+    with head_vocabulary_major(model):  # another runner's pass over the model, within it
+        with head_vocabulary_major(model):
+            assert "forward" in vars(head)
+        assert "forward" in vars(head)  # still the first pass's
+        vars(head).pop("forward")  # a pass in another thread that replaced it too, ended
+    assert "forward" not in vars(head)  # and this pass's end raised nothing
 
 
 @pytest.mark.parametrize("kind", ["bias", "bfloat16", "not a Linear"])

@@ -106,11 +106,13 @@ def head_vocabulary_major(model):
     ):
         yield
         return
-    head.forward = functools.partial(_vocabulary_major_product, weight)
+    # In the module's own dict, where nn.Module.__setattr__ would put it; popped, not deleted:
+    # two runners sharing one model may overlap their passes (the same product either way).
+    vars(head)["forward"] = functools.partial(_vocabulary_major_product, weight)
     try:
         yield
     finally:
-        del head.forward
+        vars(head).pop("forward", None)
 
 
 def _vocabulary_major_product(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
