@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import marshal
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -23,6 +25,7 @@ from genlm_backend.batching import BatchingConfig, CpuThreads
 from genlm_backend.cache.kv_tree import (
     HASH_BLOCK,
     SAME_OBJECTS_FROM,
+    UNTRACKED_LENGTH,
     blocks_digest,
     same_objects,
     untracked,
@@ -289,7 +292,8 @@ class AsyncLM:
         engine = self.engine
         if engine.is_closed:
             engine.check_open()
-        adapter = self.adapters.default if lora_name is None else self.adapters.get(lora_name)
+        adapters = engine.adapters
+        adapter = adapters.default if lora_name is None else adapters.get(lora_name)
         context, parent, hashed = self._contexts.validate(token_ids)
         counts = engine.counts
         counts["requests"] += 1
@@ -820,6 +824,15 @@ such tails (its parent's, to find it, and its own), at 170 ns each from a list a
 for 32 tokens; contexts alike in them are told apart by their whole hash."""
 
 
+def _evict_at(limit: int) -> int:
+    """Contexts :class:`RecentContexts` holds before it forgets down to ``limit``: a quarter more."""
+    return limit + (limit >> 2)
+
+
+_CONTEXT_OF = operator.itemgetter(0)
+"""A held entry's context (entries are ``(context, its blocks_digest)``)."""
+
+
 class RecentContexts:
     """Contexts validated lately: one that extends a recent context by a token is checked at that token.
 
@@ -840,10 +853,11 @@ class RecentContexts:
     finds another: a whole hash a context, not a comparison with every
     other particle.
 
-    Holds at most ``max_tokens`` tokens of contexts and a limit of contexts
-    (the least recently validated are forgotten first); safe to use from
-    several threads. A particle extends a context of the last step (its own,
-    or its parent's after a resampling): a few steps' contexts serve it.
+    Holds at most ``max_tokens`` tokens of contexts and a limit of contexts,
+    which it may pass by a quarter before it forgets down to it (the least
+    recently validated first, all at once); safe to use from several
+    threads. A particle extends a context of the last step (its own, or its
+    parent's after a resampling): a few steps' contexts serve it.
     Holding more costs the cyclic garbage collector: each context held is two
     objects that outlive the step, and until the oldest go, every step's
     survivors count towards the next young collection (64 particles of short
@@ -863,7 +877,7 @@ class RecentContexts:
         max_context_length: As :func:`validate_token_ids`'s.
         max_tokens: Most tokens of the contexts held (8 bytes each, shared with
             the requests that hold the same contexts).
-        max_contexts: Most contexts held.
+        max_contexts: Most contexts held after an eviction (a quarter more before one).
         initial_contexts: The limit of contexts held at first (see above).
     """
 
@@ -880,7 +894,8 @@ class RecentContexts:
         self.max_tokens = max_tokens
         self.max_contexts = max_contexts
         self.limit = min(initial_contexts, max_contexts)
-        """Most contexts held now: grows towards ``max_contexts`` (see above)."""
+        """Most contexts held after an eviction: grows towards ``max_contexts`` (see above)."""
+        self._evict_at = _evict_at(self.limit)
         # Tail hashes of contexts forgotten under the limit, oldest first: as many as
         # max_contexts beyond the limit would hold.
         self._ghosts: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -929,7 +944,7 @@ class RecentContexts:
                     self._hold((hash(old[0]),), old)
             held[key] = (context, digest)
             self._num_tokens += length
-            if len(held) > self.limit or self._num_tokens > self.max_tokens:
+            if len(held) > self._evict_at or self._num_tokens > self.max_tokens:
                 self._forget_oldest()
         return context, parent, hash((length, digest, context[last_block:]))
 
@@ -967,7 +982,9 @@ class RecentContexts:
                     return untracked(whole), recent, found[1]
                 # A second copy and a comparison at C speed (identical elements compare by
                 # identity): the context is the recent one's plain ints.
-                context = untracked(recent + (last,))
+                context = recent + (last,)
+                if length >= UNTRACKED_LENGTH:  # a shorter one is left as it is: no call
+                    untracked(context)
                 if context == whole:
                     return context, recent, found[1]
                 if not self._num_wholes:
@@ -984,18 +1001,28 @@ class RecentContexts:
         return context, found[0], found[1]
 
     def _forget_oldest(self) -> None:
-        """Forget the least recently validated contexts until at most ``max_tokens`` tokens
-        and :attr:`limit` contexts are held (the newest always is; lock held)."""
+        """Forget the least recently validated contexts (lock held): once more than
+        :attr:`limit` and a quarter are held, all but the newest :attr:`limit` at once
+        (the keys popped at C speed: a particle's call pays a share of one eviction,
+        not one of its own), and then, one by one, until at most ``max_tokens``
+        tokens are held (the newest always is)."""
         held, ghosts = self._by_hash, self._ghosts
-        while len(held) > 1 and (len(held) > self.limit or self._num_tokens > self.max_tokens):
-            dropped_key, (dropped, _) = held.popitem(last=False)
-            self._num_tokens -= len(dropped)
-            if isinstance(dropped_key, tuple):
-                self._num_wholes -= 1
-            elif len(held) >= self.limit < self.max_contexts:  # forgotten for the count
-                ghosts[dropped_key] = None
-        while len(ghosts) > self.max_contexts - self.limit:
-            ghosts.popitem(last=False)
+        excess = len(held) - self.limit
+        if len(held) > self._evict_at:
+            keys = list(itertools.islice(held, excess))
+            dropped = list(map(held.pop, keys))
+            self._num_tokens -= sum(map(len, map(_CONTEXT_OF, dropped)))
+            tails = [key for key in keys if type(key) is int]
+            self._num_wholes -= len(keys) - len(tails)
+            if self.limit < self.max_contexts:  # forgotten for the count: remembered
+                ghosts.update(dict.fromkeys(tails))
+            surplus = len(ghosts) - (self.max_contexts - self.limit)
+            if surplus > 0:
+                collections.deque(map(ghosts.pop, list(itertools.islice(ghosts, surplus))), 0)
+        while len(held) > 1 and self._num_tokens > self.max_tokens:
+            dropped_key, (dropped_context, _) = held.popitem(last=False)
+            self._num_tokens -= len(dropped_context)
+            self._num_wholes -= type(dropped_key) is tuple
 
     def _grow(self, key: int) -> None:
         """Double :attr:`limit`, up to ``max_contexts``: the recent context of tail hash ``key``
@@ -1004,6 +1031,7 @@ class RecentContexts:
         with self._lock:
             if key in self._ghosts:
                 self.limit = min(self.max_contexts, 2 * self.limit)
+                self._evict_at = _evict_at(self.limit)
                 self._ghosts.clear()
 
     def _hold(self, key: int | tuple[int], kept: tuple[tuple[int, ...], int]) -> None:

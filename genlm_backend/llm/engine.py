@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -101,6 +101,10 @@ class Engine:
             num_worker_threads=torch.get_num_threads(),
             cpu_threads=cpu_threads,
         )
+        self.result: Callable[[Key], asyncio.Future[list[torch.Tensor]]] = self.batcher.submit_one
+        """:meth:`results` of one request (a particle's call): the batcher's own method, one
+        call fewer per particle's step; the caller checks the engine open (the front's
+        :meth:`~genlm_backend.llm.base.AsyncLM.request` does)."""
         self.counts = dict.fromkeys(
             ("requests", "tokens_requested", "cache_hits", "batches", "contexts", "chunks"), 0
         )
@@ -159,12 +163,6 @@ class Engine:
         if self.is_closed:
             raise BackendClosedError(f"this {self._owner} is closed")
         return self.batcher.submit(requests)
-
-    def result(self, request: Key) -> asyncio.Future[list[torch.Tensor]]:
-        """:meth:`results` of one request (a particle's call, in fewer steps)."""
-        if self.is_closed:
-            raise BackendClosedError(f"this {self._owner} is closed")
-        return self.batcher.submit_one(request)
 
     def results_now(self, requests: Sequence[Key]) -> list[torch.Tensor]:
         """:meth:`results`, computed in the calling thread: cached rows, then steps within the budget."""
