@@ -19,12 +19,13 @@ Two measures, in one process:
 
   The median step of each, over ``--runs`` runs of 36 timed steps shared
   out among them.
-* **The product alone** (``--widths``, ``--rows``): ``F.linear(hidden, weight)``
-  against ``(weight @ hidden.T).T`` made contiguous, in turns, ``--repeats``
-  times, the median of each, and the largest difference between their
-  logits (they agree within rounding: MKL sums a few rows' products in
-  another order). Alone, the two products' times swing with the machine more
-  than in a step.
+* **The product alone** (``--widths``, ``--rows``): ``F.linear(hidden, weight)``,
+  ``weight @ hidden.T`` in one piece made contiguous, and the runner's
+  product (the same a block of the vocabulary at a time, each block copied
+  into the rows), in turns, ``--repeats`` times, the median of each, and the
+  largest difference between the runner's logits and ``F.linear``'s (they
+  agree within rounding: MKL sums a few rows' products in another order).
+  Alone, the products' times swing with the machine more than in a step.
 
     python benchmarks/bench_head.py                      # both
     python benchmarks/bench_head.py --prompts 64 --runs 4 --widths
@@ -113,30 +114,40 @@ def products(widths: list[int], rows: list[int], vocab: int, repeats: int) -> No
 
     from genlm_backend.llm.hf.compat import _vocabulary_major_product
 
+    def whole(weight, hidden):  # the vocabulary-major product in one piece, copied into rows
+        return torch.mm(weight, hidden.T).T.contiguous()
+
+    ways = {
+        "F.linear": lambda weight, hidden: torch.nn.functional.linear(hidden, weight),
+        "whole": whole,
+        "blocks": _vocabulary_major_product,
+    }
     generator = torch.Generator().manual_seed(0)
     print(f"\nThe product alone: V = {vocab}, float32, median of {repeats} in turns")
-    print("| width | rows | F.linear (ms) | weight @ hidden.T (ms) | ratio | largest difference |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| width | rows | F.linear (ms) | weight @ hidden.T whole (ms) | in blocks (ms) "
+        "| F.linear / blocks | whole / blocks | largest difference |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for width in widths:
         weight = torch.randn(vocab, width, generator=generator)
         for num_rows in rows:
             hidden = torch.randn(num_rows, width, generator=generator)
-            plain_times, our_times = [], []
+            times: dict[str, list[float]] = {way: [] for way in ways}
             with torch.inference_mode():
-                plain = torch.nn.functional.linear(hidden, weight)
+                plain = ways["F.linear"](weight, hidden)
                 ours = _vocabulary_major_product(weight, hidden)
                 for _ in range(repeats):
-                    start = time.perf_counter()
-                    torch.nn.functional.linear(hidden, weight)
-                    middle = time.perf_counter()
-                    _vocabulary_major_product(weight, hidden)
-                    plain_times.append(middle - start)
-                    our_times.append(time.perf_counter() - middle)
-            plain_ms, our_ms = (1e3 * statistics.median(t) for t in (plain_times, our_times))
+                    for way, product in ways.items():
+                        start = time.perf_counter()
+                        product(weight, hidden)
+                        times[way].append(time.perf_counter() - start)
+            ms = {way: 1e3 * statistics.median(t) for way, t in times.items()}
             difference = (plain - ours).abs().max().item()
             print(
-                f"| {width} | {num_rows} | {plain_ms:.2f} | {our_ms:.2f} | "
-                f"{plain_ms / our_ms:.2f}x | {difference:.1e} |"
+                f"| {width} | {num_rows} | {ms['F.linear']:.2f} | {ms['whole']:.2f} | "
+                f"{ms['blocks']:.2f} | {ms['F.linear'] / ms['blocks']:.2f}x | "
+                f"{ms['whole'] / ms['blocks']:.2f}x | {difference:.1e} |"
             )
 
 

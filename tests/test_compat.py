@@ -89,6 +89,26 @@ def test_a_vocabulary_major_head_gives_the_plain_heads_bits_and_is_restored(shap
     assert "forward" not in vars(head)  # and this pass's end raised nothing
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 64])
+def test_the_heads_product_in_blocks_matches_the_plain_head(num_rows):
+    """A vocabulary of several blocks and a last partial one: every block lands in its columns
+    of every row, within rounding of ``F.linear``; with gradients on, ``F.linear`` itself."""
+    from genlm_backend.llm.hf.compat import _vocabulary_major_product
+
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(1000, 48, generator=generator)
+    hidden = torch.randn(num_rows, 1, 48, generator=generator)
+    expected = torch.nn.functional.linear(hidden, weight)
+    with torch.inference_mode():
+        logits = _vocabulary_major_product(weight, hidden, block_rows=64)  # 15 blocks and 40
+    assert logits.shape == (num_rows, 1, 1000) and logits.is_contiguous()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    trained = weight.clone().requires_grad_()
+    logits = _vocabulary_major_product(trained, hidden, block_rows=64)
+    logits.sum().backward()  # the plain product: it records its gradient
+    torch.testing.assert_close(trained.grad, hidden.reshape(-1, 48).sum(0).expand(1000, 48))
+
+
 @pytest.mark.parametrize("kind", ["bias", "bfloat16", "not a Linear"])
 def test_other_heads_are_left_alone(kind):
     from genlm_backend.llm.hf.compat import head_vocabulary_major

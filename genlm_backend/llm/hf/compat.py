@@ -83,16 +83,18 @@ def head_sees_only(model, reads: tuple[torch.Tensor, torch.Tensor] | None):
 @contextmanager
 def head_vocabulary_major(model):
     """While active, a plain float32 ``nn.Linear`` output head without bias on the CPU computes
-    its logits as ``weight @ hidden.T`` (the vocabulary as the product's long side), copied
-    into rows: ``F.linear``'s logits within rounding (for a few rows MKL sums their products
-    in another order; the same bits at one row and at 12 and 64 rows here).
+    its logits as ``weight @ hidden.T`` (the vocabulary as the product's long side), a block
+    of :data:`HEAD_BLOCK_ROWS` entries at a time, copied into rows: ``F.linear``'s logits
+    within rounding (for a few rows MKL sums their products in another order; the same bits
+    at one row and at 16 and 64 rows here).
 
-    Alone, MKL's product with the rows as the short side takes 1.05x to 1.22x as
-    long at 16 and 64 rows and as long at one row, for a 49,152-token vocabulary
-    of width 256 or 576; with the log-softmax written into the logits
+    Alone, MKL's product with the rows as the short side (``F.linear``) takes 1.04x
+    to 1.46x as long at 16 and 64 rows (about 3x at 4 rows), and as long at one
+    row, for a 49,152-token vocabulary of width 256 or 576, on two threads; on
+    one, 0.95x to 1.09x. With the log-softmax written into the logits
     (:func:`~genlm_backend.llm.runner.fit_to_vocab`), a runner's step of 64 rows
-    is 3 to 11% shorter (``benchmarks/bench_head.py``; BENCHMARKS.md). Any other
-    head is left alone.
+    is 9 to 18% shorter (``benchmarks/bench_head.py``; BENCHMARKS.md, "The CPU head in
+    blocks"). Any other head is left alone.
     """
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
@@ -115,11 +117,35 @@ def head_vocabulary_major(model):
         vars(head).pop("forward", None)
 
 
-def _vocabulary_major_product(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``F.linear(hidden, weight)``, computed as ``(weight @ rows.T).T``, made contiguous."""
+HEAD_BLOCK_ROWS = 2048
+"""Vocabulary entries per product of the CPU head (:func:`head_vocabulary_major`): each block's
+``[2048, B]`` logits are copied into the rows while they are in the cache, and the block's
+weights (2 to 16 MB for widths of 256 to 2,048) are read once. Of 512 to 8,192 entries,
+2,048 was the fastest or within 5% of it at widths 256 to 2,048 and 1 to 64 rows
+(BENCHMARKS.md, "The CPU head in blocks")."""
+
+
+def _vocabulary_major_product(
+    weight: torch.Tensor, hidden: torch.Tensor, block_rows: int = HEAD_BLOCK_ROWS
+) -> torch.Tensor:
+    """``F.linear(hidden, weight)``, computed as ``weight @ rows.T`` a block of the vocabulary at
+    a time, each block copied into the rows: ``[..., V]``, contiguous."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    logits = torch.mm(weight, rows.T).T.contiguous()
-    return logits.view(*hidden.shape[:-1], weight.shape[0])
+    vocab, num_rows = weight.shape[0], rows.shape[0]
+    if torch.is_grad_enabled() and (weight.requires_grad or rows.requires_grad):
+        return torch.nn.functional.linear(hidden, weight)  # out= products record no gradient
+    if num_rows == 1 or vocab <= block_rows:
+        logits = torch.mm(weight, rows.T).T.contiguous()
+    else:
+        logits = rows.new_empty(num_rows, vocab)
+        block = rows.new_empty(block_rows, num_rows)
+        columns = rows.T
+        for start in range(0, vocab, block_rows):
+            end = min(vocab, start + block_rows)
+            part = block[: end - start]
+            torch.mm(weight[start:end], columns, out=part)
+            logits[:, start:end].copy_(part.T)
+    return logits.view(*hidden.shape[:-1], vocab)
 
 
 _GROUPED_SDPA = "genlm_sdpa_grouped_kv"
