@@ -29,6 +29,7 @@ Two measures, in one process:
 
     python benchmarks/bench_head.py                      # both
     python benchmarks/bench_head.py --prompts 64 --runs 4 --widths
+    python benchmarks/bench_head.py --prompts --widths 256 1024 --blocks 512 1024 4096
 """
 
 from __future__ import annotations
@@ -109,10 +110,14 @@ def runner_steps(prompt_tokens: int, runs: int) -> dict[str, list[float]]:
     return times
 
 
-def products(widths: list[int], rows: list[int], vocab: int, repeats: int) -> None:
+def products(
+    widths: list[int], rows: list[int], vocab: int, repeats: int, blocks: list[int]
+) -> None:
+    import functools
+
     import torch
 
-    from genlm_backend.llm.hf.compat import _vocabulary_major_product
+    from genlm_backend.llm.hf.compat import HEAD_BLOCK_ROWS, _vocabulary_major_product
 
     def whole(weight, hidden):  # the vocabulary-major product in one piece, copied into rows
         return torch.mm(weight, hidden.T).T.contiguous()
@@ -122,13 +127,20 @@ def products(widths: list[int], rows: list[int], vocab: int, repeats: int) -> No
         "whole": whole,
         "blocks": _vocabulary_major_product,
     }
+    for block_rows in blocks:  # other block sizes, for the choice of HEAD_BLOCK_ROWS
+        ways[f"blocks of {block_rows}"] = functools.partial(
+            _vocabulary_major_product, block_rows=block_rows
+        )
+    others = [way for way in ways if way.startswith("blocks of ")]
     generator = torch.Generator().manual_seed(0)
     print(f"\nThe product alone: V = {vocab}, float32, median of {repeats} in turns")
     print(
-        "| width | rows | F.linear (ms) | weight @ hidden.T whole (ms) | in blocks (ms) "
-        "| F.linear / blocks | whole / blocks | largest difference |"
+        "| width | rows | F.linear (ms) | weight @ hidden.T whole (ms) "
+        f"| in blocks of {HEAD_BLOCK_ROWS} (ms) | F.linear / blocks | whole / blocks "
+        + "".join(f"| {way} (ms) " for way in others)
+        + "| largest difference |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---" * (7 + len(others)) + "|")
     for width in widths:
         weight = torch.randn(vocab, width, generator=generator)
         for num_rows in rows:
@@ -147,7 +159,9 @@ def products(widths: list[int], rows: list[int], vocab: int, repeats: int) -> No
             print(
                 f"| {width} | {num_rows} | {ms['F.linear']:.2f} | {ms['whole']:.2f} | "
                 f"{ms['blocks']:.2f} | {ms['F.linear'] / ms['blocks']:.2f}x | "
-                f"{ms['whole'] / ms['blocks']:.2f}x | {difference:.1e} |"
+                f"{ms['whole'] / ms['blocks']:.2f}x | "
+                + "".join(f"{ms[way]:.2f} | " for way in others)
+                + f"{difference:.1e} |"
             )
 
 
@@ -162,6 +176,9 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--blocks", type=int, nargs="*", default=[], help="other block sizes of the product"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.prompts:
@@ -183,7 +200,7 @@ def main(argv=None) -> None:
                     f"| {statistics.median(values) / plain:.2f}x |"
                 )
     if args.widths:
-        products(args.widths, args.rows, args.vocab, args.repeats)
+        products(args.widths, args.rows, args.vocab, args.repeats, args.blocks)
 
 
 if __name__ == "__main__":
