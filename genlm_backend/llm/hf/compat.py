@@ -120,10 +120,11 @@ def head_vocabulary_major(model):
 HEAD_BLOCK_ROWS = 2048
 """Vocabulary entries per product of the CPU head (:func:`head_vocabulary_major`): each block's
 ``[2048, B]`` logits are copied into the rows while they are in the cache, and the block's
-weights (2 to 16 MB for widths of 256 to 2,048) are read once. Of 512 to 8,192 entries, no
-size was the fastest everywhere; 2,048 came within 13% of the fastest at widths 256 to
-2,048 and 4 to 64 rows, and led at width 2,048 (``benchmarks/bench_head.py --blocks``;
-BENCHMARKS.md, "The CPU head in blocks")."""
+weights (2 to 16 MB for widths of 256 to 2,048) are read once. Of 512 to 8,192 entries, none
+was the fastest at every width (256 to 2,048), row count (4 to 64) and thread count (1,
+2): 1,024 to 4,096 were within the runs' noise of one another (one size timed twice in a
+run differed by up to 13%), 512 and 8,192 up to 31% slower at some shapes
+(``benchmarks/bench_head.py --blocks``; BENCHMARKS.md, "The CPU head in blocks")."""
 
 
 def _vocabulary_major_product(
