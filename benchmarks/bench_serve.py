@@ -10,7 +10,10 @@ one ``next_token_logprobs`` per particle per step, seeded) from a shared
 * **served, before** (with ``--baseline-tree PATH``, a checkout of an earlier
   version): the same, server and clients running that checkout's code (with
   ``--random-weights``, a checkout whose ``bench_serve.py`` has that option);
-* **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each.
+* **4 models**: 4 processes each loading its own ``AsyncTransformer``, P particles each;
+* **in-process, steps in a worker** (only when named): the in-process setup with
+  ``compute_in_loop=False``, and the same with the loop's thread on one torch thread
+  (``-1``: the worker's OpenMP team is then the process's only one).
 
 Time is from "go" to the last process done (model loading excluded, warm-up
 excluded; the 4-models load time is reported apart); each setup's time is
@@ -92,6 +95,10 @@ def worker(args: argparse.Namespace) -> None:
     else:
         llm = local_lm(args)
     prompt = shared_prompt(llm, args)
+    if args.in_worker:
+        llm.engine.compute_in_loop = False
+    if args.loop_threads:  # before this thread's first parallel torch work, and the first step
+        torch.set_num_threads(args.loop_threads)
     llm.next_token_logprobs_sync(prompt)  # warm-up (the prompt's keys/values are then cached)
     if args.random_weights:  # first-use costs (captured steps) out of the timing
         warm_prompt = [(token + 1) % llm.vocab_size for token in prompt[:64]]
@@ -307,6 +314,8 @@ async def interleaved(calls, repeats: int) -> list[list[float]]:
 
 SETUPS = {
     "in-process": "in-process, 1 process",
+    "in-process-worker": "in-process, steps in a worker thread",
+    "in-process-worker-1": "in-process, steps in a worker, the loop's thread on 1 torch thread",
     "served": f"served, {NUM_PROCESSES} clients",
     "served-before": f"served, {NUM_PROCESSES} clients, before",
     "4-models": f"{NUM_PROCESSES} processes, a model each",
@@ -370,8 +379,11 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict:
             batches = describe_batches(server_counts(url) - before[0])
         finally:
             stop_server(server)
-    elif setup == "in-process":
-        wall, cpu, results = run_group([worker_argv(NUM_PROCESSES * p, s, 0, model=model)])
+    elif setup.startswith("in-process"):
+        argv = worker_argv(NUM_PROCESSES * p, s, 0, model=model)
+        if setup != "in-process":
+            argv += ["--in-worker"] + (["--loop-threads", "1"] if setup.endswith("-1") else [])
+        wall, cpu, results = run_group([argv])
     else:
         tree = REPO if setup == "4-models" else args.baseline_tree
         workers = [worker_argv(p, s, i, tree=tree, model=model) for i in range(NUM_PROCESSES)]
@@ -411,8 +423,15 @@ def main() -> None:
         "--setups",
         nargs="+",
         choices=list(SETUPS),
-        default=list(SETUPS),
-        help="which setups to run (the `-before` ones need --baseline-tree)",
+        default=[setup for setup in SETUPS if not setup.startswith("in-process-")],
+        help="which setups to run (the `-before` ones need --baseline-tree; the "
+        "`in-process-worker` ones only when named)",
+    )
+    parser.add_argument(
+        "--in-worker", action="store_true", help="a worker's steps in a worker thread"
+    )
+    parser.add_argument(
+        "--loop-threads", type=int, default=None, help="with --in-worker: the loop's torch threads"
     )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(
