@@ -1007,9 +1007,8 @@ class RecentContexts:
         not one of its own), and then, one by one, until at most ``max_tokens``
         tokens are held (the newest always is)."""
         held, ghosts = self._by_hash, self._ghosts
-        excess = len(held) - self.limit
         if len(held) > self._evict_at:
-            keys = list(itertools.islice(held, excess))
+            keys = list(itertools.islice(held, len(held) - self.limit))
             dropped = list(map(held.pop, keys))
             self._num_tokens -= sum(map(len, map(_CONTEXT_OF, dropped)))
             tails = [key for key in keys if type(key) is int]
