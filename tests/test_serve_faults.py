@@ -12,6 +12,7 @@ import gc
 import signal
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ from genlm_backend.errors import (
 )
 from genlm_backend.llm.remote import RemoteLM, protocol
 from genlm_backend.llm.runner import Request
-from genlm_backend.serve.server import check_binding, is_loopback
+from genlm_backend.serve import server as server_module
+from genlm_backend.serve.server import check_binding, frozen_heap, is_loopback
 from tests.serve_gated_server import BYTE_VOCAB, FAILING_TOKEN
 from tests.serve_support import ServerProcess, in_thread, process_env, wait_until
 
@@ -255,6 +257,46 @@ def test_non_loopback_needs_the_flag_and_a_token(capsys):
     assert "--allow-remote" in capsys.readouterr().err
     assert cli_main(["serve", "--backend", "mock", "--host", "0.0.0.0", "--allow-remote"]) == 2
     assert "needs a shared token" in capsys.readouterr().err
+
+
+def test_a_server_serves_with_the_heap_it_started_with_out_of_full_collections(monkeypatch):
+    """The objects alive when serving starts (the model's) are frozen while the loop runs,
+    after garbage among them is collected; thawed when it stops."""
+    if gc.get_freeze_count():
+        gc.unfreeze()  # pragma: no cover - another module froze objects
+    seen = {}
+
+    class Cycle:  # garbage only a collection frees: it must not be frozen
+        pass
+
+    def fake_run(coroutine):
+        coroutine.close()  # the server's loop, not run here
+        seen["frozen"] = gc.get_freeze_count()
+        seen["garbage_left"] = garbage() is not None
+
+    lm = MockAsyncLM(byte_vocab=BYTE_VOCAB)
+    cycle = Cycle()
+    cycle.me = cycle
+    garbage = weakref.ref(cycle)
+    del cycle
+    monkeypatch.setattr(server_module.asyncio, "run", fake_run)
+    server_module.serve(lm, log=lambda message: None)
+    assert seen["frozen"] > 0 and not seen["garbage_left"]
+    assert gc.get_freeze_count() == 0  # thawed once serving stopped
+    lm.close()
+
+
+def test_a_heap_the_process_froze_itself_stays_frozen():
+    if gc.get_freeze_count():
+        gc.unfreeze()  # pragma: no cover - another module froze objects
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen  # not thawed by the server
+    finally:
+        gc.unfreeze()
 
 
 def test_oversized_and_malformed_requests_fail_for_their_client_only(reference):
