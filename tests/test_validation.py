@@ -17,6 +17,7 @@ from genlm_backend.cache import kv_tree
 from genlm_backend.cache.kv_tree import context_hash, tail_hash
 from genlm_backend.llm import MockAsyncLM
 from genlm_backend.llm.base import (
+    RECENT_TAIL,
     RecentContexts,
     _general_ids,
     _plain_ids_in_range,
@@ -149,6 +150,21 @@ def test_a_context_one_token_past_a_recent_one_names_it_as_its_parent():
     assert parent is None
 
 
+@pytest.mark.parametrize("length", [100, 300], ids=["compared", "pointers"])
+def test_a_shorter_context_under_a_colliding_key_is_never_taken_for_the_parent(length):
+    """A recent context found by its tail's hash but of another length (a hash collision,
+    made here by holding it under the key the call looks up) is not the call's parent, also
+    where its tokens are the call's first objects (compared as pointers past 160 tokens)."""
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None)
+    tokens = [i % VOCAB_SIZE for i in range(length)]
+    shorter = tuple(tokens[: length - 20])  # the very objects of the call's first tokens
+    key = hash((length - 1, tuple(tokens[-RECENT_TAIL - 1 : -1])))
+    recent._by_hash[key] = (shorter, kv_tree.blocks_digest(shorter))
+    context, parent, hashed = recent.validate(tokens)
+    assert context == tuple(tokens) and parent is None
+    assert hashed == context_hash(context)
+
+
 @pytest.mark.parametrize("fresh_lists", [False, True], ids=["lists-extended", "fresh-lists"])
 def test_particles_in_one_repetition_loop_each_find_their_own_parent(fresh_lists):
     """Contexts alike in length and last tokens (a repetition loop behind a long prompt) do not
@@ -180,6 +196,18 @@ def test_contexts_held_by_their_whole_hash_stay_within_the_token_budget():
         held = recent._by_hash.values()
         assert recent._num_tokens == sum(len(context) for context, _ in held) <= 5000
         assert recent._num_wholes == sum(type(key) is tuple for key in recent._by_hash)
+
+
+def test_the_token_budget_forgets_the_oldest_and_keeps_the_newest_even_when_over_it():
+    recent = RecentContexts(VOCAB_SIZE, max_context_length=None, max_tokens=100)
+    small = [recent.validate([i, 1, 2])[0] for i in range(20)]  # 60 tokens: all held
+    assert recent._num_tokens == 60 and len(recent._by_hash) == 20
+    recent.validate([i % VOCAB_SIZE for i in range(50)])  # 110: the oldest go, 10 tokens' worth
+    held = [context for context, _ in recent._by_hash.values()]
+    assert held[0] == small[4] and recent._num_tokens == sum(map(len, held)) == 98
+    long = recent.validate([i % VOCAB_SIZE for i in range(150)])[0]  # over the budget alone
+    assert [context for context, _ in recent._by_hash.values()] == [long]
+    assert recent._num_tokens == 150
 
 
 def test_a_recent_parent_never_lets_a_bad_context_through():

@@ -902,11 +902,9 @@ class RecentContexts:
         # (context, its blocks_digest) by the hash of its length and last RECENT_TAIL tokens
         # (an int) and, for contexts whose place another of that hash took, by
         # (hash(context),) (a 1-tuple; Python's hash of a whole tuple: C speed). Oldest
-        # first; OrderedDict pops its oldest in O(1) (a dict's first key, after many pops,
-        # is found past their dead slots: a scan per eviction).
-        self._by_hash: collections.OrderedDict[int | tuple[int], tuple[tuple[int, ...], int]] = (
-            collections.OrderedDict()
-        )
+        # first (a dict keeps its insertion order; evictions take the oldest in batches, so
+        # each scans past the slots earlier evictions left once, not once a context).
+        self._by_hash: dict[int | tuple[int], tuple[tuple[int, ...], int]] = {}
         self._num_tokens = 0
         self._num_wholes = 0  # contexts held by their whole hash
         self._lock = threading.Lock()
@@ -935,7 +933,8 @@ class RecentContexts:
         # latter is tested to be context_hash's): this method is a particle call's largest
         # share, about 3 us, of which a function call would be 70 ns.
         key = hash((length, context[-RECENT_TAIL:]))
-        with self._lock:
+        self._lock.acquire()  # half the time of a ``with`` block
+        try:
             held = self._by_hash
             old = held.pop(key, None)
             if old is not None:
@@ -946,6 +945,8 @@ class RecentContexts:
             self._num_tokens += length
             if len(held) > self._evict_at or self._num_tokens > self.max_tokens:
                 self._forget_oldest()
+        finally:
+            self._lock.release()
         return context, parent, hash((length, digest, context[last_block:]))
 
     def _extend_recent(
@@ -967,21 +968,24 @@ class RecentContexts:
         try:
             key = hash((length - 1, tuple(token_ids[-RECENT_TAIL - 1 : -1])))
             held = self._by_hash
-            found = held.get(key)
-            if found is not None and len(found[0]) != length - 1:
-                found = None
-            elif found is None and key in self._ghosts:  # forgotten too soon: hold more
+            found = held.get(key)  # of another length only by a collision: told below
+            if found is None and key in self._ghosts:  # forgotten too soon: hold more
                 self._grow(key)
             if found is None and not self._num_wholes:
                 return None
             whole = tuple(token_ids)  # one copy, at C speed: no other thread changes it now
             if found is not None:
                 recent = found[0]
-                if length > SAME_OBJECTS_FROM and same_objects(whole, recent):
+                if (
+                    length > SAME_OBJECTS_FROM
+                    and len(recent) == length - 1
+                    and same_objects(whole, recent)
+                ):
                     # The recent context's own objects: equal, no token compared.
                     return untracked(whole), recent, found[1]
                 # A second copy and a comparison at C speed (identical elements compare by
-                # identity): the context is the recent one's plain ints.
+                # identity; a recent context of another length compares unequal): the
+                # context is the recent one's plain ints.
                 context = recent + (last,)
                 if length >= UNTRACKED_LENGTH:  # a shorter one is left as it is: no call
                     untracked(context)
@@ -1018,10 +1022,16 @@ class RecentContexts:
             surplus = len(ghosts) - (self.max_contexts - self.limit)
             if surplus > 0:
                 collections.deque(map(ghosts.pop, list(itertools.islice(ghosts, surplus))), 0)
-        while len(held) > 1 and self._num_tokens > self.max_tokens:
-            dropped_key, (dropped_context, _) = held.popitem(last=False)
-            self._num_tokens -= len(dropped_context)
-            self._num_wholes -= type(dropped_key) is tuple
+        if len(held) > 1 and self._num_tokens > self.max_tokens:
+            keys, excess = [], self._num_tokens - self.max_tokens
+            for key, (context, _) in held.items():  # oldest first, never the newest
+                if excess <= 0 or len(keys) == len(held) - 1:
+                    break
+                keys.append(key)
+                excess -= len(context)
+            dropped = list(map(held.pop, keys))
+            self._num_tokens -= sum(map(len, map(_CONTEXT_OF, dropped)))
+            self._num_wholes -= sum(type(key) is tuple for key in keys)
 
     def _grow(self, key: int) -> None:
         """Double :attr:`limit`, up to ``max_contexts``: the recent context of tail hash ``key``
