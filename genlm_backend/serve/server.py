@@ -117,7 +117,7 @@ def frozen_heap() -> Iterator[None]:
     A full collection walks every object the collector tracks: in a server
     of SmolLM2 it took 190 ms, once in a run of 16 steps, and every client's
     step waited for it (BENCHMARKS.md, "A served model's heap out of full
-    collections"). The objects made while serving are collected as before;
+    collections, ..."). The objects made while serving are collected as before;
     a frozen object that becomes garbage in a reference cycle while serving
     is freed at the thaw (reference counting frees the others at once). A
     process that froze objects itself keeps them frozen: nothing is done.
