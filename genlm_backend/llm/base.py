@@ -1008,8 +1008,8 @@ class RecentContexts:
         """Forget the least recently validated contexts (lock held): once more than
         :attr:`limit` and a quarter are held, all but the newest :attr:`limit` at once
         (the keys popped at C speed: a particle's call pays a share of one eviction,
-        not one of its own), and then, one by one, until at most ``max_tokens``
-        tokens are held (the newest always is)."""
+        not one of its own), and then the oldest, found in one pass, until at most
+        ``max_tokens`` tokens are held (the newest always is)."""
         held, ghosts = self._by_hash, self._ghosts
         if len(held) > self._evict_at:
             keys = list(itertools.islice(held, len(held) - self.limit))
