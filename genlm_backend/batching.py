@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from numbers import Real
@@ -38,6 +39,7 @@ import torch
 from genlm_backend.errors import BatcherClosedError, BatcherWorkerDiedError
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +185,56 @@ class StepOutcome:
 # ---------------------------------------------------------------------- waiting calls
 
 
+class CallFuture(asyncio.Future[T], Coroutine[Any, Any, T]):
+    """A call's future that is also a coroutine: what ``next_token_logprobs`` returns while an
+    event loop runs. Awaited, gathered or waited for, it is the future itself (no task
+    around it); ``asyncio.create_task``, ``TaskGroup`` and ``asyncio.iscoroutine`` take it as
+    a coroutine that returns the future's result.
+
+    Its call is queued when the future is made, not when it is first awaited. Closing it,
+    or throwing into it, cancels the call if it still waits.
+    """
+
+    __slots__ = ()
+
+    def send(self, value: Any) -> Any:
+        """One step of ``await self``: yield the future while it waits, then its result."""
+        if not self.done():
+            self._asyncio_future_blocking = True
+            return self
+        raise StopIteration(self.result())
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        """End the coroutine with ``val`` (or ``typ``), cancelling the call if it waits."""
+        if not self.done():
+            self.cancel()
+        error = typ if val is None else val
+        if isinstance(error, type):
+            error = error()
+        raise error.with_traceback(tb) if tb is not None else error
+
+    def close(self) -> None:
+        """Cancel the call if it still waits."""
+        if not self.done():
+            self.cancel()
+
+    @classmethod
+    def failed(cls, error: Exception, loop: asyncio.AbstractEventLoop) -> CallFuture:
+        """A call refused before it was queued: awaiting it raises ``error``."""
+        future = cls(loop=loop)
+        future.set_exception(error)
+        return future
+
+
+def coroutine_function(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``function``, which returns a coroutine or a :class:`CallFuture`, as a coroutine
+    function, as ``async def`` would (``unittest.mock`` then makes an ``AsyncMock`` of it)."""
+    if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12 and later
+        return inspect.markcoroutinefunction(function)
+    function._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return function  # Python 3.11: asyncio.iscoroutinefunction reads this marker
+
+
 class Call(Generic[K]):
     """One caller's keys, waiting for steps; :attr:`values` fill in as steps compute them."""
 
@@ -203,8 +255,8 @@ class Call(Generic[K]):
 
 
 class OneCall(Generic[K]):
-    """One caller's one key (a particle's step), waiting for a step; its future's result is a
-    list of the key's value alone, which the caller empties (its future then holds no value)."""
+    """One caller's one key (a particle's step), waiting for a step; its future's result is
+    the key's value itself."""
 
     __slots__ = ("future", "key", "queued_at")
 
@@ -254,16 +306,16 @@ class WaitingCalls(Generic[K]):
         self._arrived.set()
         return call
 
-    def add_one(self, key: K, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def add_one(self, key: K, loop: asyncio.AbstractEventLoop) -> CallFuture:
         """Queue one caller's one ``key`` at the back: :meth:`add` of ``(key,)``, in fewer steps
-        (a particle's call). The future's result is ``[value]``."""
-        call = OneCall(key, loop.create_future(), time.monotonic())
-        self._calls.append(call)
+        (a particle's call). The future's result is the value itself."""
+        future: CallFuture = CallFuture(loop=loop)
+        self._calls.append(OneCall(key, future, time.monotonic()))
         self._num_keys += 1
         self._num_requests += 1
         if not self._arrived.is_set():
             self._arrived.set()
-        return call.future
+        return future
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -358,7 +410,7 @@ class WaitingCalls(Generic[K]):
                             value = share(value)  # type: ignore[misc]
                         else:
                             handed.add(id(value))
-                    future.set_result([value])
+                    future.set_result(value)
                 continue
             error = _fill(call, found, handed, share)
             if error is not None:
@@ -600,15 +652,9 @@ class Batcher(Generic[K]):
         loop = asyncio.get_running_loop()
         return self._served_calls(loop).add(keys, loop).future
 
-    def submit_one(self, key: K) -> asyncio.Future:
-        """:meth:`submit` of ``(key,)`` (a particle's call, in fewer steps): the future's
-        result is ``[value]``, which the caller should empty (``.pop()``) once it holds the
-        value, as the loop keeps the future until its turn ends.
-
-        Raises:
-            RuntimeError: no running event loop.
-        """
-        loop = asyncio.get_running_loop()
+    def submit_one(self, key: K, loop: asyncio.AbstractEventLoop) -> CallFuture:
+        """:meth:`submit` of ``(key,)`` (a particle's call, in fewer steps) from ``loop``, the
+        running loop: a :class:`CallFuture` of the key's value alone."""
         state = self._loops.get(loop)
         if state is None or state.task is None or state.error is not None:
             return self._served_calls(loop).add_one(key, loop)

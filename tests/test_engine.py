@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import random
 import threading
+import unittest.mock
 
 import pytest
 import torch
@@ -221,7 +223,8 @@ async def test_a_request_over_the_budget_goes_alone_and_later_calls_follow_in_or
     recording = Recording(llm, cost=len)
     long, short = (1,) * 9, [(2,), (3,), (4,), (5,), (6,)]
     big = asyncio.ensure_future(llm.batch_next_token_logprobs([long, short[0]]))
-    singles = [asyncio.ensure_future(llm.next_token_logprobs(c)) for c in short[1:]]
+    await asyncio.sleep(0)  # big's task makes its call (a coroutine's call is made as it runs)
+    singles = [llm.next_token_logprobs(c) for c in short[1:]]  # each made at the call
     check_rows(await bounded(big), [long, short[0]])
     check_rows(await bounded(asyncio.gather(*singles)), short[1:])
     assert recording.batches == [[long], short[:4], short[4:]]
@@ -318,6 +321,85 @@ async def test_a_request_arriving_while_its_context_computes_gets_that_computati
     assert recording.batches == [[(4, 4)], [(4, 5)]]
     assert llm.stats.num_output_cache_hits == 0
     await llm.aclose()
+
+
+# ---------------------------------------------------------------- a particle's call
+
+
+async def test_a_particle_s_call_is_queued_at_the_call_and_is_its_own_future():
+    llm = make_llm()
+    recording = Recording(llm)
+    call = llm.next_token_logprobs([5, 1])
+    assert llm.batcher_stats.num_requests == 1  # queued before any await
+    assert asyncio.isfuture(call) and asyncio.iscoroutine(call)
+    assert asyncio.ensure_future(call) is call  # gather and wait_for take it with no task
+    check_rows([await bounded(call)], [(5, 1)])
+    check_rows([await bounded(call)], [(5, 1)])  # a future: awaited again, the same row
+    assert recording.batches == [[(5, 1)]]
+    await llm.aclose()
+
+
+async def test_tasks_and_task_groups_take_a_particle_s_call_as_a_coroutine():
+    llm = make_llm()
+    task = asyncio.create_task(llm.next_token_logprobs([4]))
+    async with asyncio.TaskGroup() as group:
+        grouped = group.create_task(llm.next_token_logprobs([4, 2]))
+    check_rows([await bounded(task), grouped.result()], [(4,), (4, 2)])
+    await llm.aclose()
+
+
+def test_with_no_loop_running_a_particle_s_call_is_a_coroutine_queued_when_run():
+    llm = make_llm()
+    call = llm.next_token_logprobs([3])
+    assert inspect.iscoroutine(call) and llm.batcher_stats is None  # no queue yet
+    check_rows([asyncio.run(call)], [(3,)])
+    llm.close()
+
+
+async def test_a_refused_particle_s_call_raises_where_awaited_for_its_caller_only():
+    llm = make_llm()
+    recording = Recording(llm)
+    refused = llm.next_token_logprobs([1, 999])  # nothing raised at the call
+    kept = llm.next_token_logprobs([1, 2])
+    outcomes = await bounded(asyncio.gather(refused, kept, return_exceptions=True))
+    assert isinstance(outcomes[0], ValueError)
+    assert str(outcomes[0]) == "token_ids[1] = 999 is outside the vocabulary [0, 32)"
+    check_rows(outcomes[1:], [(1, 2)])
+    assert recording.batches == [[(1, 2)]]
+    await llm.aclose()
+    with pytest.raises(BackendClosedError):
+        await bounded(llm.next_token_logprobs([1]))
+
+
+async def test_a_task_of_a_particle_s_call_cancelled_before_it_ran_cancels_the_call():
+    llm = make_llm(timeout_s=LONG_S)
+    recording = Recording(llm)
+    call = llm.next_token_logprobs([9])
+    task = asyncio.create_task(call)
+    task.cancel()  # before the task's first step: the cancellation is thrown into the call
+    check_rows([await bounded(llm.next_token_logprobs([8]))], [(8,)])
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert call.cancelled() and recording.batches == [[(8,)]]
+    await llm.aclose()
+
+
+async def test_closing_a_particle_s_call_or_throwing_into_it_cancels_it_while_it_waits():
+    llm = make_llm(timeout_s=LONG_S)
+    recording = Recording(llm)
+    closed, thrown = llm.next_token_logprobs([7]), llm.next_token_logprobs([7, 1])
+    closed.close()
+    with pytest.raises(LookupError, match="thrown in"):
+        thrown.throw(LookupError("thrown in"))
+    assert closed.cancelled() and thrown.cancelled()
+    check_rows([await bounded(llm.next_token_logprobs([6]))], [(6,)])
+    assert recording.batches == [[(6,)]] and llm.batcher_stats.num_cancelled == 2
+    await llm.aclose()
+
+
+def test_a_particle_s_call_is_a_coroutine_function_to_mock():
+    spec = unittest.mock.create_autospec(MockAsyncLM, instance=True)
+    assert isinstance(spec.next_token_logprobs, unittest.mock.AsyncMock)
 
 
 # ---------------------------------------------------------------- cancellation

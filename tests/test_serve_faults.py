@@ -286,16 +286,21 @@ def test_a_server_serves_with_the_heap_it_started_with_out_of_full_collections(m
     lm.close()
 
 
-def test_a_heap_the_process_froze_itself_stays_frozen():
+def test_a_heap_the_process_froze_itself_stays_frozen(monkeypatch):
+    """Neither collected, frozen again nor thawed. (Counts of frozen objects are not compared:
+    a frozen object that other threads let go of leaves the count meanwhile.)"""
     if gc.get_freeze_count():
         gc.unfreeze()  # pragma: no cover - another module froze objects
     gc.freeze()
+    calls = []
     try:
-        frozen = gc.get_freeze_count()
+        for name in ("collect", "freeze", "unfreeze"):
+            monkeypatch.setattr(gc, name, lambda *args, name=name: calls.append(name))
         with frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # not thawed by the server
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0 and calls == []  # not thawed by the server
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
 
 

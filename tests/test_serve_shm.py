@@ -9,6 +9,7 @@ process's ``/proc/PID/maps`` (mappings, which hold the memory).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import gc
@@ -149,11 +150,13 @@ async def test_batch_rows_are_lent_without_a_copy_until_their_tensors_go(server,
         del first, second, third
         wait_until(lambda: nothing_on_loan(lm))
         # A single-row call's row is a view of its batch's region too: the region comes back
-        # once that row is gone (and the loop and the worker have let go of the batch).
+        # once that row is gone (and the loop and the worker have let go of the batch: the
+        # call's future holds the row until the loop's turn that handed it ends).
         single = await lm.next_token_logprobs([9, 1])
         assert torch.equal(single, reference.next_token_logprobs_sync([9, 1]))
         assert (lm.runner.num_rows_lent, lm.runner.num_rows_on_loan) == (17, 1)
         del single
+        await asyncio.sleep(0)  # the turn that handed the row ends
         wait_until(lambda: nothing_on_loan(lm))
 
 

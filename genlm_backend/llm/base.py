@@ -16,12 +16,13 @@ import itertools
 import marshal
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from genlm_backend.batching import BatchingConfig, CpuThreads
+from genlm_backend.batching import BatchingConfig, CallFuture, CpuThreads, coroutine_function
 from genlm_backend.cache.kv_tree import (
     HASH_BLOCK,
     SAME_OBJECTS_FROM,
@@ -333,21 +334,41 @@ class AsyncLM:
 
     # ------------------------------------------------------------------ next-token rows
 
-    async def next_token_logprobs(
+    @coroutine_function
+    def next_token_logprobs(
         self, token_ids: TokenIds, lora_name: str | None = None
-    ) -> torch.Tensor:
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Log-probabilities of the token following ``token_ids``, under adapter ``lora_name``.
+
+        Used as a coroutine function: ``await llm.next_token_logprobs(ids)``. With an event
+        loop running in this thread, the request is queued at the call and what comes back
+        is its future, which is also a coroutine (:class:`~genlm_backend.batching.CallFuture`):
+        await it, gather it, or make a task of it, in this loop. With none running
+        (``asyncio.run(llm.next_token_logprobs(ids))``), a coroutine that queues the
+        request when it runs.
 
         Returns:
             ``float32`` tensor ``[len(byte_vocab)]`` on :attr:`device`, normalized.
 
-        Raises:
+        Raises (where awaited):
             TypeError, ValueError: invalid ``token_ids`` or unknown ``lora_name``.
             BackendClosedError: the backend was closed.
             Exception: an error of the model on this request's batch.
         """
-        values = await self.engine.result(self.request(token_ids, lora_name))
-        return values.pop()  # the future keeps its list until the loop's turn ends: not the row
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            return self._next_token_logprobs_when_run(token_ids, lora_name)
+        try:
+            request = self.request(token_ids, lora_name)
+        except Exception as error:  # noqa: BLE001 (raised where awaited, as by a coroutine)
+            return CallFuture.failed(error, loop)
+        return self.engine.result(request, loop)
+
+    async def _next_token_logprobs_when_run(
+        self, token_ids: TokenIds, lora_name: str | None
+    ) -> torch.Tensor:
+        """:meth:`next_token_logprobs` made with no event loop running: queued once one runs it."""
+        return await self.next_token_logprobs(token_ids, lora_name)
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None

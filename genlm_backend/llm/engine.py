@@ -4,7 +4,7 @@ behind one :class:`~genlm_backend.batching.Batcher`.
 One request's path, each arrow a named call::
 
     AsyncLM.next_token_logprobs(ids)        validate -> Request
-      -> Engine.result(request)             wait in this loop's queue (Batcher.submit_one)
+      -> Engine.result(request, loop)       wait in this loop's queue (Batcher.submit_one)
       -> Batcher._serve (a task per loop)   until_flush -> take -> Engine.step -> settle
       -> Engine.step                        the output cache, then within the budget:
                                             runner.run / runner.score -> output cache
@@ -45,7 +45,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from genlm_backend.batching import Batcher, BatcherStats, BatchingConfig, CpuThreads, StepOutcome
+from genlm_backend.batching import (
+    Batcher,
+    BatcherStats,
+    BatchingConfig,
+    CallFuture,
+    CpuThreads,
+    StepOutcome,
+)
 from genlm_backend.cache.output import OutputCache
 from genlm_backend.errors import BackendClosedError, BatcherClosedError
 from genlm_backend.llm.adapters import AdapterRegistry
@@ -101,9 +108,12 @@ class Engine:
             num_worker_threads=torch.get_num_threads(),
             cpu_threads=cpu_threads,
         )
-        self.result: Callable[[Key], asyncio.Future[list[torch.Tensor]]] = self.batcher.submit_one
-        """:meth:`results` of one request (a particle's call): the batcher's own method, one
-        call fewer per particle's step; the caller checks the engine open (the front's
+        self.result: Callable[[Key, asyncio.AbstractEventLoop], CallFuture[torch.Tensor]] = (
+            self.batcher.submit_one
+        )
+        """:meth:`results` of one request (a particle's call) from the running loop: a future
+        of its value alone. The batcher's own method, one call fewer per particle's step; the
+        caller checks the engine open (the front's
         :meth:`~genlm_backend.llm.base.AsyncLM.request` does)."""
         self.counts = dict.fromkeys(
             ("requests", "tokens_requested", "cache_hits", "batches", "contexts", "chunks"), 0

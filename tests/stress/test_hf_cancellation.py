@@ -75,7 +75,7 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
     await gate.wait_entered()  # the first BATCH_SIZE distinct calls fill one batch
     queued_tasks = [asyncio.create_task(llm.next_token_logprobs(c)) for c in queued]
     for i in cancel_before:
-        queued_tasks[i].cancel()  # before its first step: it never reaches the queue
+        queued_tasks[i].cancel()  # before its first step: its call, queued, is dropped
     await asyncio.sleep(0)  # every other task makes its first step and queues
     cancelled = [computing_tasks[i] for i in cancel_computing] + [
         queued_tasks[i] for i in cancel_queued
@@ -101,8 +101,8 @@ async def cancellation_round(llm, gate, rng, history, checker) -> tuple[int, int
     assert all(Request(None, c) not in llm.output_cache for c in never_computed)
     assert all(Request(None, c) in llm.output_cache for c in computing)
     assert llm.stats.num_contexts_computed - computed_before == BATCH_SIZE + len(waiting)
-    started = len(computing) + len(queued) - len(cancel_before)
-    assert llm.stats.num_requests - requests_before == started
+    made = len(computing) + len(queued)  # each call is counted as it is made, cancelled or not
+    assert llm.stats.num_requests - requests_before == made
     assert llm.batcher_stats.num_pending == 0 and llm.batcher_stats.num_inflight == 0
     history.extend(computing + sorted(live_queued))
     return len(outcomes) - len(cancelled_ids), len(cancelled_ids)
