@@ -19,6 +19,8 @@ import unittest.mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from genlm_backend.batching import BatchingConfig, CpuThreads, WaitingCalls
 from genlm_backend.errors import BackendClosedError, BatcherClosedError, BatcherWorkerDiedError
@@ -395,6 +397,73 @@ async def test_closing_a_particle_s_call_or_throwing_into_it_cancels_it_while_it
     check_rows([await bounded(llm.next_token_logprobs([6]))], [(6,)])
     assert recording.batches == [[(6,)]] and llm.batcher_stats.num_cancelled == 2
     await llm.aclose()
+
+
+KEPT = ("await", "gather", "task")  # handlings whose caller gets the row
+DROPPED = ("cancel", "close", "throw", "task cancelled")  # before any step takes the call
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(KEPT + DROPPED),
+            st.lists(st.integers(0, len(VOCAB) - 1), min_size=1, max_size=3),
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_particle_calls_handled_any_way_get_their_rows_and_drop_only_what_no_one_awaits(
+    program,
+):
+    """Each call of a program is awaited, gathered, made a task, or dropped (cancelled,
+    closed, thrown into, or its task cancelled) before a step takes it: every kept call gets
+    its context's row; each context a kept call asked for is computed once, and no other."""
+
+    async def main():
+        llm = make_llm()
+        recording = Recording(llm)
+        calls = [
+            (how, tuple(context), llm.next_token_logprobs(context)) for how, context in program
+        ]
+        tasks = {
+            i: asyncio.create_task(call) for i, (how, _, call) in enumerate(calls) if "task" in how
+        }
+        for i, (how, _, call) in enumerate(calls):
+            if how == "cancel":
+                call.cancel()
+            elif how == "close":
+                call.close()
+            elif how == "throw":
+                with pytest.raises(LookupError):
+                    call.throw(LookupError("dropped"))
+            elif how == "task cancelled":
+                tasks[i].cancel()  # before the task's first step
+        for how, context, call in calls:
+            if how == "await":
+                check_rows([await bounded(call)], [context])
+        kept = [
+            (i, context) for i, (how, context, _) in enumerate(calls) if how in ("gather", "task")
+        ]
+        rows = await bounded(
+            asyncio.gather(*(tasks[i] if i in tasks else calls[i][2] for i, _ in kept))
+        )
+        check_rows(rows, [context for _, context in kept])
+        for i, (how, _, call) in enumerate(calls):
+            if how in DROPPED:
+                if how == "task cancelled":
+                    with pytest.raises(asyncio.CancelledError):
+                        await tasks[i]
+                assert call.cancelled(), how
+        computed = [context for batch in recording.batches for context in batch]
+        asked = {context for how, context, _ in calls if how in KEPT}
+        assert sorted(computed) == sorted(asked)
+        num_dropped = sum(how in DROPPED for how, _ in program)
+        assert llm.batcher_stats.num_cancelled == num_dropped
+        await llm.aclose()
+
+    asyncio.run(main())
 
 
 def test_a_particle_s_call_is_a_coroutine_function_to_mock():
