@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 import warnings
 import weakref
@@ -293,9 +294,20 @@ def test_a_heap_the_process_froze_itself_stays_frozen(monkeypatch):
         gc.unfreeze()  # pragma: no cover - another module froze objects
     gc.freeze()
     calls = []
+    this_thread = threading.get_ident()
+
+    def spy(name: str, real):
+        def call(*args):
+            if threading.get_ident() != this_thread:  # another thread's own business
+                return real(*args)
+            calls.append(name)
+            return None
+
+        return call
+
     try:
         for name in ("collect", "freeze", "unfreeze"):
-            monkeypatch.setattr(gc, name, lambda *args, name=name: calls.append(name))
+            monkeypatch.setattr(gc, name, spy(name, getattr(gc, name)))
         with frozen_heap():
             assert gc.get_freeze_count() > 0
         assert gc.get_freeze_count() > 0 and calls == []  # not thawed by the server
